@@ -1,0 +1,7 @@
+// Registration hooks: one function per kernel family, defined next to its bindings.
+#pragma once
+#include <pybind11/pybind11.h>
+
+namespace ddtree {
+void register_runtime(pybind11::module_& m);
+}  // namespace ddtree

@@ -1,0 +1,125 @@
+"""The one gRPC server scaffold every service uses.
+
+Health (NOT_SERVING until the component says it is ready), reflection, raised message limits,
+so_reuseport off, a checked bind (port 0 allowed; the real port is reported), tracing
+interceptor, and SIGTERM/SIGINT -> graceful stop within a grace period -> tracer flush.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ddtree.grpc_options import MAX_MESSAGE_BYTES, server_options
+from ddtree.telemetry import TracingServerInterceptor, shutdown_tracing
+
+log = logging.getLogger(__name__)
+
+
+class BindError(RuntimeError):
+    """The server could not listen on the requested address."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where and how a service listens."""
+
+    name: str                      # service name for logs ("drafter", "treebuild", "verify")
+    host: str = "127.0.0.1"        # loopback unless told otherwise
+    port: int = 0                  # 0: any free port (reported by GrpcServer.port)
+    max_workers: int = 16          # handler threads
+    grace_s: float = 5.0           # in-flight RPCs get this long after SIGTERM
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    tls_cert: str | None = None    # PEM certificate chain file; with tls_key: serve TLS
+    tls_key: str | None = None     # PEM private key file
+
+
+class GrpcServer:
+    """A grpc.Server with health, reflection and tracing; `add` servicers, then `start`."""
+
+    def __init__(self, config: ServerConfig, tracer_provider=None):
+        self.config = config
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=config.name),
+            options=server_options(config.max_message_bytes),
+            interceptors=[TracingServerInterceptor(tracer_provider)],
+        )
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self._service_names: list[str] = []
+        self._stopped = threading.Event()
+        self._tracer_provider = tracer_provider
+        self.port: int | None = None
+
+    def add(self, add_to_server: Callable[[Any, grpc.Server], None], servicer: Any, service_full_name: str) -> None:
+        """Registers a servicer (e.g. drafter_pb2_grpc.add_DrafterServicer_to_server, "ddtree.v1.Drafter")."""
+        add_to_server(servicer, self._server)
+        self._service_names.append(service_full_name)
+
+    def start(self) -> int:
+        """Binds, starts serving (health NOT_SERVING) and returns the actual port."""
+        address = f"{self.config.host}:{self.config.port}"
+        try:
+            if self.config.tls_cert or self.config.tls_key:
+                if not (self.config.tls_cert and self.config.tls_key):
+                    raise BindError("TLS needs both a certificate and a key")
+                with open(self.config.tls_cert, "rb") as c, open(self.config.tls_key, "rb") as k:
+                    creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+                port = self._server.add_secure_port(address, creds)
+            else:
+                port = self._server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc raises on some failures, returns 0 on others
+            raise BindError(f"{self.config.name}: cannot listen on {address}: {exc}") from exc
+        if port == 0:
+            raise BindError(f"{self.config.name}: cannot listen on {address} (address in use?)")
+        names = [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self._server)
+        self.set_serving(False)
+        self._server.start()
+        self.port = port
+        log.info("%s listening on %s:%d", self.config.name, self.config.host, port,
+                 extra={"port": port, "host": self.config.host})
+        return port
+
+    def set_serving(self, serving: bool) -> None:
+        """Flips the health status of the whole server and of each registered service."""
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ["", *self._service_names]:
+            self._health.set(name, status)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Graceful stop: NOT_SERVING, refuse new RPCs, let in-flight ones finish, flush traces."""
+        if self._stopped.is_set():
+            return
+        grace = self.config.grace_s if grace_s is None else grace_s
+        log.info("%s stopping (grace %.1fs)", self.config.name, grace)
+        self._health.enter_graceful_shutdown()
+        self._server.stop(grace).wait(grace + 1.0)
+        shutdown_tracing(self._tracer_provider)
+        self._stopped.set()
+        log.info("%s stopped", self.config.name)
+
+    def install_signal_handlers(self, on_stop: Callable[[], None] | None = None) -> None:
+        """SIGTERM and SIGINT stop the server gracefully (call from the main thread)."""
+        def handle(signum, _frame):
+            log.info("%s received %s", self.config.name, signal.Signals(signum).name)
+            threading.Thread(target=self._stop_then, args=(on_stop,), daemon=True).start()
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+
+    def _stop_then(self, on_stop: Callable[[], None] | None) -> None:
+        if on_stop is not None:
+            on_stop()
+        self.stop()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until stop() completed; True if it did within the timeout."""
+        return self._stopped.wait(timeout)

@@ -1,0 +1,55 @@
+"""TracerProvider construction from the standard OTEL_* variables plus DDTREE_TRACE_FILE.
+
+- OTEL_EXPORTER_OTLP_ENDPOINT (or ..._TRACES_ENDPOINT) set: spans go over OTLP/gRPC
+  (Jaeger all-in-one listens on 4317).
+- DDTREE_TRACE_FILE set: spans are also appended to that file as OTLP-JSON lines.
+- OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG: the SDK reads them itself.
+Neither exporter set: spans are created (cheap) but not exported.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from ddtree.telemetry.file_exporter import OtlpJsonFileExporter
+
+log = logging.getLogger(__name__)
+
+
+def setup_tracing(service_name: str, *, set_global: bool = True, **resource_attrs: str) -> TracerProvider:
+    """Builds the provider for one service and (by default) installs it as the global one."""
+    from ddtree import __version__
+
+    resource = Resource.create(
+        {"service.name": service_name, "service.version": __version__, **resource_attrs}
+    )
+    provider = TracerProvider(resource=resource)
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    if endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        # The exporter reads endpoint, headers, insecure, timeout from OTEL_* itself.
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        log.info("tracing: OTLP/gRPC export to %s", endpoint)
+    trace_file = os.environ.get("DDTREE_TRACE_FILE")
+    if trace_file:
+        provider.add_span_processor(BatchSpanProcessor(OtlpJsonFileExporter(trace_file)))
+        log.info("tracing: OTLP-JSON lines to %s", trace_file)
+    if set_global:
+        trace.set_tracer_provider(provider)
+    return provider
+
+
+def shutdown_tracing(provider: TracerProvider | None = None, timeout_ms: int = 5000) -> None:
+    """Flushes and shuts down the provider (the global one when none is given)."""
+    provider = provider or trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.force_flush(timeout_ms)
+        provider.shutdown()
