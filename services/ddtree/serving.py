@@ -63,6 +63,11 @@ class GrpcServer:
         add_to_server(servicer, self._server)
         self._service_names.append(service_full_name)
 
+    def add_generic(self, handler: grpc.GenericRpcHandler, service_full_name: str) -> None:
+        """Registers a generic (proto-less) handler, e.g. grpc.method_handlers_generic_handler(...)."""
+        self._server.add_generic_rpc_handlers((handler,))
+        self._service_names.append(service_full_name)
+
     def start(self) -> int:
         """Binds, starts serving (health NOT_SERVING) and returns the actual port."""
         address = f"{self.config.host}:{self.config.port}"

@@ -1,0 +1,93 @@
+"""The shared gRPC server scaffold: health lifecycle, bind checks, SIGTERM shutdown."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ddtree.grpc_options import channel_options
+from ddtree.serving import BindError, GrpcServer, ServerConfig
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _health(port: int, service: str = "") -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def test_health_goes_not_serving_to_serving_on_port_zero():
+    server = GrpcServer(ServerConfig(name="test", port=0, grace_s=0.5))
+    port = server.start()
+    try:
+        assert port > 0 and server.port == port
+        assert _health(port) == NOT_SERVING
+        server.set_serving(True)
+        assert _health(port) == SERVING
+        server.set_serving(False)
+        assert _health(port) == NOT_SERVING
+    finally:
+        server.stop()
+    assert server.wait(0)
+
+
+def test_binding_a_taken_port_fails_clearly():
+    first = GrpcServer(ServerConfig(name="first", port=0, grace_s=0.1))
+    port = first.start()
+    try:
+        second = GrpcServer(ServerConfig(name="second", port=port, grace_s=0.1))
+        with pytest.raises(BindError, match=f"cannot listen on 127.0.0.1:{port}"):
+            second.start()
+    finally:
+        first.stop()
+
+
+def test_tls_needs_certificate_and_key(tmp_path):
+    cert = tmp_path / "cert.pem"
+    cert.write_text("x")
+    server = GrpcServer(ServerConfig(name="tls", port=0, tls_cert=str(cert)))
+    with pytest.raises(BindError, match="both a certificate and a key"):
+        server.start()
+
+
+SERVER_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from ddtree.logs import setup_logging
+    from ddtree.serving import GrpcServer, ServerConfig
+    from ddtree.telemetry import setup_tracing
+
+    setup_logging("scaffold")
+    server = GrpcServer(ServerConfig(name="scaffold", port=0, grace_s=2.0), setup_tracing("ddtree-scaffold"))
+    server.install_signal_handlers()
+    port = server.start()
+    server.set_serving(True)
+    print(port, flush=True)
+    server.wait()
+    sys.exit(0)
+    """
+)
+
+
+def test_sigterm_stops_a_server_process_within_the_grace_period(subprocess_env):
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=subprocess_env)
+    try:
+        port = int(proc.stdout.readline())
+        assert _health(port) == SERVING
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - start < 2.0 + 2.0  # grace + tracer flush margin
+        log = proc.stderr.read()
+        assert '"service": "scaffold"' in log and "received SIGTERM" in log and "stopped" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
