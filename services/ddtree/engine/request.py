@@ -1,0 +1,136 @@
+"""What a client asks for, validated: modes, sampling options, and the request spec.
+
+Validation happens once, at the door (`validate_request`); everything after it trusts the spec.
+Every rule raises `InvalidRequest` (a ValueError) with a message that names the field, which the
+verify service returns as INVALID_ARGUMENT.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses to run; the message says which field and why."""
+
+
+class Overloaded(RuntimeError):
+    """The engine cannot take the request now (queue full, or it can never fit): RESOURCE_EXHAUSTED."""
+
+
+class Mode(enum.Enum):
+    DDTREE = "ddtree"  # best-first tree of drafter candidates
+    CHAIN = "chain"    # the drafter's single most likely path (K = 1, budget = block_size - 1)
+    AR = "ar"          # target alone
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP = "stop"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What this server accepts; reported by GetModelInfo."""
+
+    vocab_size: int
+    max_context: int          # prompt + generated tokens per request
+    max_tokens_limit: int     # largest max_tokens
+    max_budget: int           # largest tree budget
+    default_max_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A validated request: the engine's unit of work."""
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingOptions
+    mode: Mode | None          # None: the server's choice (budget policy may fall back to ar)
+    budget: int = 0            # 0: the budget policy decides
+    client_request_id: str = ""
+    deadline: float | None = field(default=None, compare=False)  # time.monotonic() seconds
+
+
+MODE_NAMES = {m.value: m for m in Mode}
+
+
+def parse_mode(name: str | None) -> Mode | None:
+    if name in (None, "", "unspecified"):
+        return None
+    try:
+        return MODE_NAMES[name]
+    except KeyError:
+        raise InvalidRequest(f"unknown mode {name!r} (expected one of {sorted(MODE_NAMES)})") from None
+
+
+def validate_request(prompt_ids, *, limits: Limits, max_tokens: int = 0, temperature: float = 0.0,
+                     top_p: float = 0.0, top_k: int = 0, seed: int | None = None,
+                     stop_token_ids=(), stop_strings=(), ignore_eos: bool = False,
+                     mode: Mode | str | None = None, budget: int = 0, available_modes=tuple(Mode),
+                     client_request_id: str = "", deadline: float | None = None) -> RequestSpec:
+    """Checks every field against `limits`; 0 means "server default" for max_tokens, top_p, budget."""
+    prompt = tuple(int(t) for t in prompt_ids)
+    if not prompt:
+        raise InvalidRequest("prompt is empty")
+    if len(prompt) >= limits.max_context:
+        raise InvalidRequest(f"prompt has {len(prompt)} tokens; the context holds {limits.max_context} "
+                             "(prompt + at least one generated token)")
+    bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})"
+                             + (f" ({len(bad)} such ids)" if len(bad) > 1 else ""))
+    if max_tokens == 0:
+        max_tokens = limits.default_max_tokens
+    if not 0 < max_tokens <= limits.max_tokens_limit:
+        raise InvalidRequest(f"max_tokens must be in 1..{limits.max_tokens_limit}, got {max_tokens}")
+    if math.isnan(temperature) or temperature < 0 or math.isinf(temperature):
+        raise InvalidRequest(f"temperature must be a finite number >= 0, got {temperature}")
+    if top_p == 0:
+        top_p = 1.0
+    if math.isnan(top_p) or not 0 < top_p <= 1:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0 (0 disables), got {top_k}")
+    stops = tuple(int(t) for t in stop_token_ids)
+    bad = [t for t in stops if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequest(f"stop token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})")
+    strings = tuple(stop_strings)
+    if any(s == "" for s in strings):
+        raise InvalidRequest("stop strings must not be empty")
+    if not isinstance(mode, Mode):
+        mode = parse_mode(mode)
+    if mode is not None and mode not in available_modes:
+        raise InvalidRequest(f"mode {mode.value!r} is not available on this server "
+                             f"(available: {[m.value for m in available_modes]})")
+    if budget < 0 or budget > limits.max_budget:
+        raise InvalidRequest(f"budget must be in 0..{limits.max_budget} (0: server policy), got {budget}")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise InvalidRequest(f"seed must be in [0, 2^64), got {seed}")
+    return RequestSpec(
+        prompt_ids=prompt,
+        sampling=SamplingOptions(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                                 top_k=int(top_k), seed=seed, stop_token_ids=stops, stop_strings=strings,
+                                 ignore_eos=bool(ignore_eos)),
+        mode=mode, budget=int(budget), client_request_id=client_request_id, deadline=deadline)
