@@ -1,0 +1,157 @@
+"""Paged latent KV cache: per token per layer one row of kv_lora_rank latent + qk_rope_head_dim rope key.
+
+Sequences own lists of fixed-size pages (their block table). A verify step writes its tree tail
+right after a sequence's committed length without advancing it; `commit` then moves the kept
+tail rows into place and frees pages the sequence no longer needs. Allocation is deterministic,
+so tensor-parallel ranks that replay the same calls hold identical tables.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    """Not enough free pages for the requested tokens."""
+
+
+class PageAllocator:
+    """A free list of page ids; lowest ids first, so replays on every rank agree."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 1:
+            raise ValueError("the cache needs at least one page")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() from the end gives page 0 first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise CacheFullError(f"need {n} pages, {len(self._free)} free of {self.num_pages}")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(sorted(pages)))
+
+
+@dataclass
+class _Sequence:
+    pages: list[int] = field(default_factory=list)
+    length: int = 0  # committed tokens
+
+
+class LatentKVCache:
+    """pages: [num_layers, num_pages, page_size, latent_dim]."""
+
+    def __init__(self, num_layers: int, latent_dim: int, num_pages: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self.page_size = page_size
+        self.pages = torch.zeros(num_layers, num_pages, page_size, latent_dim, dtype=dtype, device=device)
+        self.allocator = PageAllocator(num_pages)
+        self._seqs: dict[int, _Sequence] = {}
+
+    # ---- sequences ----------------------------------------------------------------------
+    def add_sequence(self, seq_id: int) -> None:
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already exists")
+        self._seqs[seq_id] = _Sequence()
+
+    def release(self, seq_id: int) -> None:
+        self.allocator.free(self._seq(seq_id).pages)
+        del self._seqs[seq_id]
+
+    def has(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def length(self, seq_id: int) -> int:
+        return self._seq(seq_id).length
+
+    def _seq(self, seq_id: int) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise ValueError(f"unknown sequence {seq_id}") from None
+
+    def reserve(self, seq_ids: list[int], tail: int) -> None:
+        """Makes room for `tail` tokens after each sequence's committed length (all or nothing)."""
+        need = [max(0, -(-(self._seq(s).length + tail) // self.page_size) - len(self._seq(s).pages)) for s in seq_ids]
+        if sum(need) > self.allocator.num_free:
+            raise CacheFullError(f"need {sum(need)} pages, {self.allocator.num_free} free")
+        for s, n in zip(seq_ids, need):
+            self._seqs[s].pages.extend(self.allocator.allocate(n))
+
+    def _trim(self, seq: _Sequence) -> None:
+        keep = -(-seq.length // self.page_size)
+        if len(seq.pages) > keep:
+            self.allocator.free(seq.pages[keep:])
+            del seq.pages[keep:]
+
+    # ---- addressing ---------------------------------------------------------------------
+    def block_table(self, seq_ids: list[int]) -> torch.Tensor:
+        """[B, max_pages] int32 (padding: page 0, never read unmasked)."""
+        width = max([len(self._seq(s).pages) for s in seq_ids] + [1])
+        table = torch.zeros(len(seq_ids), width, dtype=torch.int32)
+        for i, s in enumerate(seq_ids):
+            pages = self._seqs[s].pages
+            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        return table.to(self.pages.device)
+
+    def slots(self, seq_ids: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """positions [B, T] -> flat slot ids [B, T] into pages.view(L, -1, D)."""
+        table = self.block_table(seq_ids).to(torch.int64)
+        positions = positions.to(table.device, torch.int64)
+        if positions.numel() and int(positions.max()) >= table.shape[1] * self.page_size:
+            raise ValueError("position beyond the reserved pages; call reserve() first")
+        page = torch.gather(table, 1, positions // self.page_size)
+        return page * self.page_size + positions % self.page_size
+
+    def layer(self, layer: int) -> torch.Tensor:
+        return self.pages[layer]
+
+    def write(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        self.pages[layer].view(-1, self.pages.shape[-1])[slots.reshape(-1)] = rows.reshape(-1, rows.shape[-1]).to(self.pages.dtype)
+
+    # ---- length changes -----------------------------------------------------------------
+    def advance(self, seq_id: int, n: int) -> None:
+        """Accepts n tokens written right after the committed length (prefill)."""
+        seq = self._seq(seq_id)
+        if seq.length + n > len(seq.pages) * self.page_size:
+            raise ValueError("advance beyond the reserved pages")
+        seq.length += n
+
+    def commit(self, seq_ids: list[int], keep: torch.Tensor) -> list[int]:
+        """keep [B, K] tail-relative rows to keep, in order (-1 padding after the real ones).
+
+        Row keep[b, j] moves to committed position length_b + j in every layer; then the length
+        grows by the number kept and unneeded pages are freed. Returns the new lengths.
+        """
+        keep = keep.to("cpu", torch.int64)
+        if keep.dim() != 2 or keep.shape[0] != len(seq_ids):
+            raise ValueError(f"keep must be [B={len(seq_ids)}, K]; got {tuple(keep.shape)}")
+        counts = (keep >= 0).sum(1)
+        src, dst = [], []
+        for b, s in enumerate(seq_ids):
+            seq, n = self._seq(s), int(counts[b])
+            rows = keep[b, :n]
+            if (keep[b, n:] >= 0).any():
+                raise ValueError(f"keep row {b} has padding before real entries")
+            if n and int(rows.max()) >= len(seq.pages) * self.page_size - seq.length:
+                raise ValueError(f"keep row {b} points beyond the reserved tail")
+            if n:
+                src.append(self.slots([s], (seq.length + rows)[None])[0])
+                dst.append(self.slots([s], (seq.length + torch.arange(n))[None])[0])
+        if src:
+            flat = self.pages.view(self.pages.shape[0], -1, self.pages.shape[-1])
+            moved = flat[:, torch.cat(src)]  # gather first: sources and destinations may overlap
+            flat[:, torch.cat(dst)] = moved
+        for b, s in enumerate(seq_ids):
+            seq = self._seqs[s]
+            seq.length += int(counts[b])
+            self._trim(seq)
+        return [self._seqs[s].length for s in seq_ids]

@@ -1,0 +1,198 @@
+"""DeepSeek-V3 building blocks with tensor-parallel shards: RMSNorm, MLA, dense MLP, MoE.
+
+Every block returns its rank's partial output; the decoder layer all-reduces once after
+attention and once after the MLP/MoE (the only per-layer communication).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import TargetConfig
+from .kv_cache import LatentKVCache
+from .mla_attention import mla_verify_attention
+from .parallel import TensorParallel
+from .rope import RotaryEmbedding
+
+
+def _weight(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype, device):
+        super().__init__()
+        self.weight = _weight(dim, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention; this rank owns heads [tp.shard(num_attention_heads)]."""
+
+    def __init__(self, cfg: TargetConfig, tp: TensorParallel, dtype, device):
+        super().__init__()
+        self.cfg = cfg
+        sl = tp.shard(cfg.num_attention_heads, "num_attention_heads")
+        self.heads = sl.stop - sl.start
+        w = lambda *s: _weight(*s, dtype=dtype, device=device)  # noqa: E731
+        if cfg.q_lora_rank is None:
+            self.q_proj = w(self.heads * cfg.qk_head_dim, cfg.hidden_size)
+        else:
+            self.q_a_proj = w(cfg.q_lora_rank, cfg.hidden_size)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dtype, device)
+            self.q_b_proj = w(self.heads * cfg.qk_head_dim, cfg.q_lora_rank)
+        self.kv_a_proj_with_mqa = w(cfg.latent_dim, cfg.hidden_size)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, dtype, device)
+        self.kv_b_proj = w(self.heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        self.o_proj = w(cfg.hidden_size, self.heads * cfg.v_head_dim)
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: RotaryEmbedding):
+        """x [S, H] -> q_nope [S, h, nope], q_rope [S, h, R] (roped), latent [S, C + R] (normed, roped)."""
+        cfg = self.cfg
+        if cfg.q_lora_rank is None:
+            q = F.linear(x, self.q_proj)
+        else:
+            q = F.linear(self.q_a_layernorm(F.linear(x, self.q_a_proj)), self.q_b_proj)
+        q = q.view(x.shape[0], self.heads, cfg.qk_head_dim)
+        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        kv = F.linear(x, self.kv_a_proj_with_mqa)
+        c_kv, k_rope = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        q_rope = rotary.apply(q_rope, cos, sin)
+        k_rope = rotary.apply(k_rope.unsqueeze(-2), cos, sin).squeeze(-2)
+        return q_nope, q_rope, torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)
+
+    def _w_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [h, nope, C] and W_UV [h, v, C] (views of kv_b_proj)."""
+        cfg = self.cfg
+        w = self.kv_b_proj.view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
+
+    def forward_causal(self, x, cos, sin, rotary) -> torch.Tensor:
+        """Expanded form (K/V per head from the latent), causal over x alone; no cache."""
+        cfg = self.cfg
+        q_nope, q_rope, latent = self._project(x, cos, sin, rotary)
+        c_kv, k_rope = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        kv = F.linear(c_kv, self.kv_b_proj).view(x.shape[0], self.heads, -1)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [h, S, d]
+        k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, self.heads, -1)], dim=-1).transpose(0, 1)
+        scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * cfg.softmax_scale
+        s = x.shape[0]
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1).to(x.dtype)
+        out = torch.matmul(probs, v.transpose(0, 1)).transpose(0, 1).reshape(s, -1)
+        return F.linear(out, self.o_proj)
+
+    def forward_paged(self, x, cos, sin, rotary, cache: LatentKVCache, layer: int, slots, block_table,
+                      prefix_lens, mask) -> torch.Tensor:
+        """Absorbed form: writes the tail latents into the cache, attends in latent space.
+
+        x [B*T, H]; slots [B, T] cache slots of the tail rows; mask [B, T, words].
+        """
+        q_nope, q_rope, latent = self._project(x, cos, sin, rotary)
+        cache.write(layer, slots, latent)
+        w_uk, w_uv = self._w_kv()
+        q_latent = torch.einsum("shd,hdc->shc", q_nope, w_uk)
+        out_latent, _ = mla_verify_attention(
+            q_latent, q_rope, cache.layer(layer), block_table, prefix_lens, mask, self.cfg.softmax_scale
+        )
+        out = torch.einsum("shc,hvc->shv", out_latent, w_uv).reshape(x.shape[0], -1)
+        return F.linear(out, self.o_proj)
+
+
+class MLP(nn.Module):
+    """SwiGLU; this rank owns intermediate columns [tp.shard(intermediate)] (gate|up fused)."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel, dtype, device):
+        super().__init__()
+        sl = tp.shard(intermediate, "intermediate size")
+        self.local = sl.stop - sl.start
+        self.gate_up = _weight(2 * self.local, hidden, dtype=dtype, device=device)
+        self.down = _weight(hidden, self.local, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)
+
+
+class MoE(nn.Module):
+    """Sigmoid-scored, group-limited top-k routing (noaux_tc) over routed experts, plus shared experts.
+
+    The router is replicated (float32, as transformers keeps it); this rank computes only its
+    experts [tp.shard(n_routed_experts)] and a shard of the shared experts.
+    """
+
+    def __init__(self, cfg: TargetConfig, tp: TensorParallel, dtype, device):
+        super().__init__()
+        self.cfg = cfg
+        e = tp.shard(cfg.n_routed_experts, "n_routed_experts")
+        self.first_expert, self.num_local = e.start, e.stop - e.start
+        self.gate = _weight(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32, device=device)
+        self.e_score_correction_bias = _weight(cfg.n_routed_experts, dtype=torch.float32, device=device)
+        i = cfg.moe_intermediate_size
+        self.w13 = _weight(self.num_local, 2 * i, cfg.hidden_size, dtype=dtype, device=device)
+        self.w2 = _weight(self.num_local, cfg.hidden_size, i, dtype=dtype, device=device)
+        self.shared = (
+            MLP(cfg.hidden_size, i * cfg.n_shared_experts, tp, dtype, device) if cfg.n_shared_experts else None
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [S, H] -> (weights [S, k] float32, expert ids [S, k])."""
+        cfg = self.cfg
+        scores = F.linear(x.float(), self.gate).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        groups = choice.view(x.shape[0], cfg.n_group, -1)
+        group_scores = groups.topk(2, dim=-1).values.sum(-1)
+        keep_groups = group_scores.topk(cfg.topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, keep_groups, True)
+        choice = groups.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(x.shape[0], -1)
+        ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        k = ids.shape[1]
+        flat = ids.reshape(-1) - self.first_expert
+        mine = ((flat >= 0) & (flat < self.num_local)).nonzero().squeeze(-1)
+        mine = mine[flat[mine].argsort(stable=True)]  # grouped by expert, token order inside
+        counts = torch.bincount(flat[mine], minlength=self.num_local).tolist()
+        tokens, token_weights = mine // k, weights.reshape(-1)[mine]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                rows = tokens[start : start + n]
+                gate, up = F.linear(x[rows], self.w13[expert]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.w2[expert]) * token_weights[start : start + n, None]
+                out.index_add_(0, rows, y.to(out.dtype))
+                start += n
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig, layer: int, tp: TensorParallel, dtype, device):
+        super().__init__()
+        self.tp = tp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = MLA(cfg, tp, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = (
+            MoE(cfg, tp, dtype, device) if cfg.is_moe_layer(layer)
+            else MLP(cfg.hidden_size, cfg.intermediate_size, tp, dtype, device)
+        )
+
+    def forward(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """attend(normed x) -> this rank's attention partial (causal or paged)."""
+        x = x + self.tp.all_reduce(attend(self.input_layernorm(x)))
+        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
