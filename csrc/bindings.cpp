@@ -13,4 +13,5 @@ PYBIND11_MODULE(_C, m) {
   m.attr("CUDA_BUILT") = false;
 #endif
   ddtree::register_runtime(m);
+  ddtree::register_tree(m);
 }

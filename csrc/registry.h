@@ -4,4 +4,5 @@
 
 namespace ddtree {
 void register_runtime(pybind11::module_& m);
+void register_tree(pybind11::module_& m);  // csrc/tree/tree_bindings.cpp
 }  // namespace ddtree

@@ -1,0 +1,305 @@
+// CUDA backend: one warp per request, no host synchronisation, capturable in a CUDA graph.
+//
+// Build keeps the whole frontier as one sorted array in registers, blocked over the warp
+// (lane l holds positions l*M .. l*M+M-1). A pop takes position 0; its two offers find their
+// positions with one warp reduction each and the array shifts by at most one place, so a pop
+// costs a few dozen instructions and no memory traffic beyond the log-prob reads. Only
+// positions < the remaining budget can ever pop, so 32*M >= budget slots suffice.
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <stdexcept>
+#include <string>
+
+#include "tree/tree_common.h"
+#include "tree/tree_ops.h"
+
+namespace ddtree::tree {
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kWarp = 32;
+constexpr int kNoPosition = 1 << 30;
+constexpr size_t kDefaultSharedLimit = 48 * 1024;
+
+void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("ddtree tree ") + what + " kernel launch failed: " +
+                             cudaGetErrorString(err));
+}
+
+// Shared memory of one build block: log-probs [D][K] as float, then node parent/rank/depth.
+struct BuildShared {
+  size_t bytes;
+  size_t parent_offset, rank_offset, depth_offset;
+  __host__ __device__ BuildShared(int D, int K, int N) {
+    parent_offset = sizeof(float) * static_cast<size_t>(D) * K;
+    rank_offset = parent_offset + sizeof(int16_t) * (N + 1);
+    depth_offset = rank_offset + sizeof(int16_t) * (N + 1);
+    bytes = depth_offset + (N + 1);
+  }
+};
+
+// Exactly equal scores: compare rank paths (rare on real log-probs; kept out of line so the
+// common path stays small).
+__device__ __noinline__ bool tie_pops_before(uint32_t ca, uint32_t cb, const int16_t* parent,
+                                             const int16_t* rank) {
+  return rank_path_less(candidate_parent(ca), candidate_rank(ca), candidate_depth(ca),
+                        candidate_parent(cb), candidate_rank(cb), candidate_depth(cb), parent,
+                        rank);
+}
+
+__device__ __forceinline__ bool pops_before_dev(double sa, uint32_t ca, double sb, uint32_t cb,
+                                                const int16_t* parent, const int16_t* rank) {
+  if (sa != sb) return sa > sb;
+  if (sa == -INFINITY) return false;  // empty slots never pop
+  return tie_pops_before(ca, cb, parent, rank);
+}
+
+template <int M>
+__global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs out) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int D = in.depth, K = in.topk, N = in.max_budget, W = mask_words(N + 1);
+  const int b = blockIdx.x, lane = threadIdx.x;
+  const BuildShared layout(D, K, N);
+  float* s_lp = reinterpret_cast<float*>(smem);
+  int16_t* s_parent = reinterpret_cast<int16_t*>(smem + layout.parent_offset);
+  int16_t* s_rank = reinterpret_cast<int16_t*>(smem + layout.rank_offset);
+  int8_t* s_depth = reinterpret_cast<int8_t*>(smem + layout.depth_offset);
+
+  // Stage this request's log-probs in shared memory and check them.
+  const float* lp = in.logprobs + static_cast<long>(b) * D * K;
+  const int numel = D * K;
+  bool nonfinite = false;
+  if ((numel & 3) == 0 && (reinterpret_cast<uintptr_t>(lp) & 15) == 0) {
+    const float4* lp4 = reinterpret_cast<const float4*>(lp);
+#pragma unroll 4
+    for (int i = lane; i < numel / 4; i += kWarp) {
+      const float4 v = __ldg(lp4 + i);
+      reinterpret_cast<float4*>(s_lp)[i] = v;
+      nonfinite |= !(isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
+    }
+  } else {
+    for (int i = lane; i < numel; i += kWarp) {
+      const float v = __ldg(lp + i);
+      s_lp[i] = v;
+      nonfinite |= !isfinite(v);
+    }
+  }
+  if (lane == 0) {
+    s_parent[0] = -1;
+    s_rank[0] = 0;
+    s_depth[0] = 0;
+  }
+  __syncwarp();
+  bool unordered = false;
+  for (int i = lane; i < numel; i += kWarp)
+    unordered |= (i % K != K - 1) && s_lp[i] < s_lp[i + 1];
+
+  const int budget = in.budgets ? in.budgets[b] : N;
+  int32_t status = kOk;
+  if (__any_sync(kFullMask, nonfinite)) status = kNonFinite;
+  else if (__any_sync(kFullMask, unordered)) status = kNotDescending;
+  if (budget < 1 || budget > N) status = kBadBudget;
+
+  double score[M];
+  uint32_t cand[M];
+#pragma unroll
+  for (int k = 0; k < M; ++k) {
+    score[k] = -INFINITY;
+    cand[k] = 0;
+  }
+  if (lane == 0) {
+    score[0] = static_cast<double>(s_lp[0]);
+    cand[0] = pack_candidate(0, 0, 1);
+  }
+
+  int n = 0;
+  while (status == kOk && n < budget) {
+    const double head_score = __shfl_sync(kFullMask, score[0], 0);
+    const uint32_t head = __shfl_sync(kFullMask, cand[0], 0);
+    if (head_score == -INFINITY) break;  // no candidate left
+    ++n;
+    const int p = candidate_parent(head), r = candidate_rank(head), d = candidate_depth(head);
+    if (lane == 0) {
+      s_parent[n] = static_cast<int16_t>(p);
+      s_rank[n] = static_cast<int16_t>(r);
+      s_depth[n] = static_cast<int8_t>(d);
+    }
+    // The two offers, in the contract's float64 operation order.
+    double sibling = -INFINITY, child = -INFINITY;
+    if (r + 1 < K) {
+      sibling = head_score - static_cast<double>(s_lp[(d - 1) * K + r]);
+      sibling = sibling + static_cast<double>(s_lp[(d - 1) * K + r + 1]);
+    }
+    if (d < D) child = head_score + static_cast<double>(s_lp[d * K]);
+    // On equal scores the child (path p + [r, 0]) sorts before the sibling (p + [r + 1]).
+    const bool child_first = child >= sibling;
+    const double s1 = child_first ? child : sibling, s2 = child_first ? sibling : child;
+    const uint32_t c1 = child_first ? pack_candidate(n, 0, d + 1) : pack_candidate(p, r + 1, d);
+    const uint32_t c2 = child_first ? pack_candidate(p, r + 1, d) : pack_candidate(n, 0, d + 1);
+    __syncwarp();  // node n is visible to the tie-breaks below
+
+    // Positions of the offers in the frontier without its head.
+    int ahead1 = 0, ahead2 = 0;
+#pragma unroll
+    for (int k = 0; k < M; ++k) {
+      if (k == 0 && lane == 0) continue;  // the head just popped
+      ahead1 += pops_before_dev(score[k], cand[k], s1, c1, s_parent, s_rank);
+      ahead2 += pops_before_dev(score[k], cand[k], s2, c2, s_parent, s_rank);
+    }
+    int q1 = __reduce_add_sync(kFullMask, ahead1);
+    int q2 = __reduce_add_sync(kFullMask, ahead2) + 1;  // s1 goes before s2
+    if (s1 == -INFINITY) q1 = kNoPosition;
+    if (s2 == -INFINITY) q2 = kNoPosition;
+
+    // Shift: new[j] = old[j+1] before q1, s1 at q1, old[j] up to q2, s2 at q2, old[j-1] after.
+    double prev_score = __shfl_up_sync(kFullMask, score[M - 1], 1);
+    uint32_t prev_cand = __shfl_up_sync(kFullMask, cand[M - 1], 1);
+    double next_score = __shfl_down_sync(kFullMask, score[0], 1);
+    uint32_t next_cand = __shfl_down_sync(kFullMask, cand[0], 1);
+    if (lane == kWarp - 1) {
+      next_score = -INFINITY;
+      next_cand = 0;
+    }
+    double new_score[M];
+    uint32_t new_cand[M];
+#pragma unroll
+    for (int k = 0; k < M; ++k) {
+      const int j = lane * M + k;
+      const double up_s = k > 0 ? score[k - 1] : prev_score;
+      const uint32_t up_c = k > 0 ? cand[k - 1] : prev_cand;
+      const double down_s = k < M - 1 ? score[k + 1] : next_score;
+      const uint32_t down_c = k < M - 1 ? cand[k + 1] : next_cand;
+      if (j < q1) {
+        new_score[k] = down_s;
+        new_cand[k] = down_c;
+      } else if (j == q1) {
+        new_score[k] = s1;
+        new_cand[k] = c1;
+      } else if (j < q2) {
+        new_score[k] = score[k];
+        new_cand[k] = cand[k];
+      } else if (j == q2) {
+        new_score[k] = s2;
+        new_cand[k] = c2;
+      } else {
+        new_score[k] = up_s;
+        new_cand[k] = up_c;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < M; ++k) {
+      score[k] = new_score[k];
+      cand[k] = new_cand[k];
+    }
+  }
+  __syncwarp();
+
+  // Outputs, padding included.
+  const int32_t* ids = in.ids + static_cast<long>(b) * D * K;
+  int32_t* tokens = out.tokens + static_cast<long>(b) * N;
+  int32_t* depths = out.depths + static_cast<long>(b) * N;
+  int32_t* parents = out.parents + static_cast<long>(b) * (N + 1);
+  uint64_t* mask = out.mask + static_cast<long>(b) * (N + 1) * W;
+  for (int i = lane; i < N; i += kWarp) {
+    const int node = i + 1;
+    if (node <= n) {
+      const int d = s_depth[node];
+      tokens[i] = __ldg(ids + (d - 1) * K + s_rank[node]);
+      depths[i] = d;
+    } else {
+      tokens[i] = -1;
+      depths[i] = 0;
+    }
+  }
+  for (int i = lane; i <= N; i += kWarp) parents[i] = (i >= 1 && i <= n) ? s_parent[i] : -1;
+  // Row i, word w: the ancestors of i (parents have smaller indices) that fall in the word.
+  for (int idx = lane; idx < (N + 1) * W; idx += kWarp) {
+    const int row = idx / W, lo = (idx - row * W) * 64;
+    uint64_t bits = 0;
+    if (row <= n)
+      for (int v = row; v >= lo; v = s_parent[v])
+        if (v < lo + 64) bits |= uint64_t{1} << (v - lo);
+    mask[idx] = bits;
+  }
+  if (lane == 0) {
+    out.num_nodes[b] = n;
+    out.status[b] = status;
+  }
+}
+
+__global__ void __launch_bounds__(kWarp) accept_kernel(AcceptArgs in, AcceptOutputs out) {
+  extern __shared__ int32_t s_child[];  // [N + 1] first matching child of each node
+  __shared__ int32_t s_path[kMaxDepth + 1];
+  const int N = in.max_budget, L = in.max_depth + 1;
+  const int b = blockIdx.x, lane = threadIdx.x;
+  const int32_t* tokens = in.tokens + static_cast<long>(b) * N;
+  const int32_t* parents = in.parents + static_cast<long>(b) * (N + 1);
+  const int32_t* posterior = in.posterior + static_cast<long>(b) * (N + 1);
+
+  int n = __ldg(in.num_nodes + b);
+  bool bad = n < 0 || n > N;
+  if (bad) n = 0;
+  for (int i = lane; i <= n; i += kWarp) s_child[i] = INT_MAX;
+  __syncwarp();
+  bool bad_parent = false;
+  for (int j = lane + 1; j <= n; j += kWarp) {
+    const int p = __ldg(parents + j);
+    if (p < 0 || p >= j) bad_parent = true;
+    else if (__ldg(tokens + j - 1) == __ldg(posterior + p)) atomicMin(s_child + p, j);
+  }
+  bad |= __any_sync(kFullMask, bad_parent);
+  __syncwarp();
+  int len = 1;
+  if (lane == 0) {
+    int cur = 0;
+    s_path[0] = 0;
+    while (len < L && s_child[cur] != INT_MAX) {
+      cur = s_child[cur];
+      s_path[len++] = cur;
+    }
+    out.length[b] = len;
+    out.bonus[b] = __ldg(posterior + cur);
+    out.status[b] = bad ? kBadTree : kOk;
+  }
+  len = __shfl_sync(kFullMask, len, 0);
+  __syncwarp();
+  for (int i = lane; i < L; i += kWarp) {
+    const int32_t v = i < len ? s_path[i] : -1;
+    out.path[static_cast<long>(b) * L + i] = v;
+    out.keep[static_cast<long>(b) * L + i] = v;
+  }
+}
+
+template <int M>
+void launch_build(const BuildArgs& in, const BuildOutputs& out, cudaStream_t stream) {
+  const size_t smem = BuildShared(in.depth, in.topk, in.max_budget).bytes;
+  if (smem > kDefaultSharedLimit)
+    check_cuda(cudaFuncSetAttribute(build_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem)),
+               "build (shared memory opt-in)");
+  build_kernel<M><<<in.batch, kWarp, smem, stream>>>(in, out);
+  check_cuda(cudaGetLastError(), "build");
+}
+
+}  // namespace
+
+void build_trees_cuda(const BuildArgs& in, const BuildOutputs& out, void* stream_handle) {
+  auto stream = static_cast<cudaStream_t>(stream_handle);
+  const int slots_per_lane = (in.max_budget + kWarp - 1) / kWarp;
+  if (slots_per_lane <= 1) launch_build<1>(in, out, stream);
+  else if (slots_per_lane <= 2) launch_build<2>(in, out, stream);
+  else if (slots_per_lane <= 4) launch_build<4>(in, out, stream);
+  else if (slots_per_lane <= 8) launch_build<8>(in, out, stream);
+  else if (slots_per_lane <= 16) launch_build<16>(in, out, stream);
+  else launch_build<32>(in, out, stream);
+}
+
+void accept_cuda(const AcceptArgs& in, const AcceptOutputs& out, void* stream_handle) {
+  const size_t smem = sizeof(int32_t) * (in.max_budget + 1);
+  accept_kernel<<<in.batch, kWarp, smem, static_cast<cudaStream_t>(stream_handle)>>>(in, out);
+  check_cuda(cudaGetLastError(), "accept");
+}
+
+}  // namespace ddtree::tree
