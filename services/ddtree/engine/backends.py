@@ -1,0 +1,148 @@
+"""What the step loop drives: the target, the drafter and the tree builder, behind small protocols.
+
+Each protocol has an in-process implementation (here and in ddtree.engine.target) and a remote
+one over gRPC + the tensor transport (ddtree.engine.remote). The engine never knows which one it
+holds; a remote peer that fails raises `PeerUnavailable`, and the engine degrades (tree build in
+process, or ar) instead of failing requests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+
+class PeerUnavailable(RuntimeError):
+    """A remote drafter or tree builder could not serve a call (unreachable, crashed, timed out)."""
+
+
+@dataclass
+class TreeBatch:
+    """Trees of one verify batch, node 0 = root (the bonus token); same layout as TreeRefs."""
+
+    tokens: torch.Tensor     # [B, N] int32/64 node tokens 1..N (-1 padding)
+    depths: torch.Tensor     # [B, N] node depths (0 padding)
+    parents: torch.Tensor    # [B, N + 1] parent index (-1 for the root and padding)
+    num_nodes: torch.Tensor  # [B] real nodes excluding the root
+    mask: torch.Tensor       # [B, N + 1, ceil((N + 1) / 64)] ancestor bitmask words (uint64 or int64)
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    @staticmethod
+    def roots_only(batch: int) -> "TreeBatch":
+        """Trees with no draft nodes (ar rows): the root sees itself."""
+        return TreeBatch(tokens=torch.empty(batch, 0, dtype=torch.int32),
+                         depths=torch.empty(batch, 0, dtype=torch.int32),
+                         parents=torch.full((batch, 1), -1, dtype=torch.int32),
+                         num_nodes=torch.zeros(batch, dtype=torch.int32),
+                         mask=torch.ones(batch, 1, 1, dtype=torch.int64))
+
+    @staticmethod
+    def of(trees) -> "TreeBatch":
+        """From any object with the five fields (ddtree.tree.Trees), moved to CPU."""
+        return TreeBatch(*(getattr(trees, f).cpu() for f in ("tokens", "depths", "parents", "num_nodes", "mask")))
+
+
+def concat_trees(parts: Sequence[TreeBatch]) -> TreeBatch:
+    """Stacks tree batches of different widths, padding to the widest (padding rows see themselves)."""
+    n = max(p.width for p in parts)
+    words = (n + 1 + 63) // 64
+    out = []
+    for p in parts:
+        b, pad = p.tokens.shape[0], n - p.width
+        mask = torch.zeros(b, n + 1, words, dtype=torch.int64)
+        mask[:, :p.width + 1, :p.mask.shape[2]] = p.mask.view(torch.int64) if p.mask.dtype == torch.uint64 else p.mask
+        for i in range(p.width + 1, n + 1):  # padding node i: only its own bit
+            mask[:, i, i // 64] = _bit(i % 64)
+        out.append(TreeBatch(
+            tokens=torch.cat([p.tokens.to(torch.int64), torch.full((b, pad), -1, dtype=torch.int64)], 1),
+            depths=torch.cat([p.depths.to(torch.int64), torch.zeros(b, pad, dtype=torch.int64)], 1),
+            parents=torch.cat([p.parents.to(torch.int64), torch.full((b, pad), -1, dtype=torch.int64)], 1),
+            num_nodes=p.num_nodes.to(torch.int64), mask=mask))
+    return TreeBatch(*(torch.cat([getattr(t, f) for t in out]) for f in
+                       ("tokens", "depths", "parents", "num_nodes", "mask")))
+
+
+def _bit(i: int) -> int:
+    """1 << i as a signed int64 value (bit 63 is the sign bit)."""
+    return -(1 << 63) if i == 63 else 1 << i
+
+
+@dataclass
+class Accepted:
+    path: torch.Tensor    # [B, D + 1] accepted node indices from the root (-1 padding)
+    length: torch.Tensor  # [B] accepted nodes including the root
+    bonus: torch.Tensor   # [B] the target's token at the last accepted node
+    keep: torch.Tensor    # [B, D + 1] tail-relative KV rows to keep (-1 padding)
+
+
+@dataclass
+class DraftItem:
+    request_id: str
+    bonus_token: int
+    position: int                  # absolute position of the bonus token
+    new_features: torch.Tensor     # [n_new, feature_width] for positions position-n_new .. position-1
+
+
+class DrafterBackend(Protocol):
+    name: str
+    block_size: int
+    vocab_size: int
+
+    def draft(self, step_id: int, items: Sequence[DraftItem], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """top_logprobs [B, block_size-1, k] float32 and top_ids int (row i = items[i])."""
+
+    def release(self, request_ids: Sequence[str]) -> None: ...
+
+
+class TreeBackend(Protocol):
+    name: str
+
+    def build(self, step_id: int, top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -> TreeBatch: ...
+
+    def accept(self, step_id: int, trees: TreeBatch, posterior: torch.Tensor) -> Accepted: ...
+
+
+class LocalDrafter:
+    """The DFlash drafter in this process (ddtree.models.dflash), with its context cache."""
+
+    def __init__(self, model, cache, name: str = "dflash"):
+        self.model, self.cache, self.name = model, cache, name
+        self.block_size = model.config.block_size
+        self.vocab_size = model.config.vocab_size
+
+    def draft(self, step_id, items, k):
+        return self.model.draft_topk(self.cache, [i.request_id for i in items], [i.new_features for i in items],
+                                     [i.bonus_token for i in items], [i.position for i in items], k)
+
+    def release(self, request_ids):
+        for rid in request_ids:
+            self.cache.release(rid)
+
+
+class LocalTree:
+    """ddtree.tree in this process (backend: reference, cpu or cuda)."""
+
+    name = "local"
+
+    def __init__(self, backend: str = "cpu"):
+        self.backend = backend
+
+    @property
+    def _tree(self):
+        from ddtree import tree  # imported on first use: ar-only engines never need it
+
+        return tree
+
+    def build(self, step_id, top_logprobs, top_ids, budget):
+        return TreeBatch.of(self._tree.build_trees(top_logprobs, top_ids, budget, backend=self.backend))
+
+    def accept(self, step_id, trees, posterior):
+        t = self._tree.Trees(tokens=trees.tokens.to(torch.int32), depths=trees.depths.to(torch.int32),
+                             parents=trees.parents.to(torch.int32), num_nodes=trees.num_nodes.to(torch.int32),
+                             mask=trees.mask.view(torch.uint64) if trees.mask.dtype == torch.int64 else trees.mask)
+        a = self._tree.accept(t, posterior.to(torch.int32), backend=self.backend)
+        return Accepted(path=a.path.cpu(), length=a.length.cpu(), bonus=a.bonus.cpu(), keep=a.keep.cpu())

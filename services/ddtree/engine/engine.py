@@ -1,0 +1,472 @@
+"""The decode engine: continuous batching over the step loop draft -> build -> verify -> accept -> commit.
+
+One thread runs the loop. Between steps it drops cancelled and expired requests (their KV pages
+and drafter state are freed there and then), admits queued requests (prefill: one target forward
+each, which also yields the first token), and runs one step for the whole running batch with
+every request in its own mode:
+
+    ddtree  draft (top-K per position) -> best-first tree of `budget` nodes
+    chain   draft (top-1)              -> the single path of block_size - 1 nodes
+    ar      no draft                   -> the root alone
+
+All rows are verified in ONE target forward (ragged trees padded to the widest). The target
+picks a token at every node (argmax, or a sample from its own distribution with the request's
+seeded generator); the accept walk follows it from the root while it matches a child, so the
+committed tokens are exactly what the target alone would produce (greedy) or are distributed as
+its samples (T > 0). Accepted nodes' K/V are compacted in place; their hidden features become the
+drafter's next context.
+
+Faults: a drafter that fails turns its requests to ar (reported in `degradation`); a remote tree
+builder that fails is replaced by the in-process one. Both are retried for new work after
+`reattach_after_s`.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence
+
+import torch
+
+from ddtree.engine.backends import (Accepted, DraftItem, DrafterBackend, PeerUnavailable, TreeBackend, TreeBatch,
+                                    concat_trees)
+from ddtree.engine.budget import BudgetPolicy
+from ddtree.engine.request import (FinishReason, Limits, Mode, Overloaded, RequestSpec)
+from ddtree.engine.scheduler import Scheduler, SchedulerConfig
+from ddtree.engine.stopping import StopChecker
+from ddtree.models.sampling import SamplingParams
+from ddtree.telemetry import spans as S
+from ddtree.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class TargetRunner(Protocol):
+    """The target model as the engine sees it (ddtree.engine.target.LocalTarget implements it)."""
+
+    name: str
+    model_type: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_context: int
+    tp_size: int
+
+    def prefill(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+                samplers: Sequence[tuple[SamplingParams, int]]
+                ) -> tuple[list[int], list[torch.Tensor]]:
+        """Fills each sequence's cache with its prompt; first tokens and prompt features [n_i, F]."""
+
+    def verify(self, seq_ids: Sequence[int], roots: torch.Tensor, trees: TreeBatch,
+               samplers: Sequence[tuple[SamplingParams, int]]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes the trees' K/V after each sequence's committed length; posterior [B, N+1] and
+        features [B, N+1, F] (features may be empty when no drafter needs them)."""
+
+    def commit(self, seq_ids: Sequence[int], keep: torch.Tensor) -> None: ...
+
+    def release(self, seq_id: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    scheduler: SchedulerConfig = SchedulerConfig()
+    budget: BudgetPolicy = BudgetPolicy()
+    max_tokens_limit: int = 4096
+    default_max_tokens: int = 256
+    max_top_k: int = 64            # K of the drafter's top-k for ddtree: min(budget, max_top_k, vocab)
+    reattach_after_s: float = 5.0  # how long a failed peer is bypassed before new work tries it again
+    idle_wait_s: float = 0.05
+
+
+# ---- what the caller receives --------------------------------------------------------------------
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    text: str
+    accepted_length: int
+    degradation: str = ""
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    steps: int
+    target_forwards: int
+    mean_acceptance_length: float
+    finish_reason: FinishReason
+    ttft_ms: float
+    mode: Mode
+    degradation: str = ""
+    error: str = ""
+
+
+class RequestHandle:
+    """Iterate for Chunks then one Usage; `cancel()` from any thread frees the request at once."""
+
+    def __init__(self, request: "_Request", engine: "Engine"):
+        self._request, self._engine = request, engine
+        self.request_id = request.id
+
+    def __iter__(self) -> Iterator[Chunk | Usage]:
+        while True:
+            item = self._request.out.get()
+            yield item
+            if isinstance(item, Usage):
+                return
+
+    def cancel(self) -> None:
+        self._engine.cancel(self._request.id)
+
+
+@dataclass(eq=False)
+class _Request:
+    id: str
+    seq_id: int
+    spec: RequestSpec
+    mode: Mode
+    sampler: tuple[SamplingParams, int]  # (params, seed): see ddtree.engine.target
+    stop: StopChecker
+    arrival: float
+    span: object
+    out: "queue.Queue[Chunk | Usage]" = field(default_factory=queue.Queue)
+    bonus: int = -1                    # last committed token, not yet in the target's cache
+    position: int = 0                  # committed cache length = the bonus token's position
+    new_features: torch.Tensor | None = None  # features since the last draft (spec modes)
+    budget: int = 0
+    steps: int = 0
+    target_forwards: int = 0
+    committed: int = 0                 # tokens committed by decode steps (for mean acceptance)
+    ttft_ms: float = 0.0
+    degradation: str = ""
+    cancelled: bool = False
+    finished: bool = False
+    server_choice: bool = False        # mode left to the server (the ar fall-back may apply)
+
+
+class Engine:
+    def __init__(self, target: TargetRunner, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(), *,
+                 drafter: DrafterBackend | None = None, tree: TreeBackend | None = None,
+                 local_tree: TreeBackend | None = None, tracer=None):
+        self.target, self.tokenizer, self.config = target, tokenizer, config
+        self.drafter = drafter
+        self.local_tree = local_tree
+        self.tree = tree or local_tree
+        self.tracer = tracer or S.get_tracer()
+        self.scheduler: Scheduler[_Request] = Scheduler(config.scheduler)
+        self._requests: dict[str, _Request] = {}
+        self._running: list[_Request] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._ids = itertools.count()
+        self._step_id = 0
+        self._down: dict[str, tuple[float, str]] = {}  # peer -> (since, reason)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fatal: BaseException | None = None
+
+    # ---- public ----------------------------------------------------------------------------------
+    @property
+    def limits(self) -> Limits:
+        return Limits(vocab_size=self.target.vocab_size, max_context=self.target.max_context,
+                      max_tokens_limit=self.config.max_tokens_limit,
+                      max_budget=self.config.budget.max_budget, default_max_tokens=self.config.default_max_tokens)
+
+    @property
+    def modes(self) -> tuple[Mode, ...]:
+        spec = (Mode.DDTREE, Mode.CHAIN) if self.drafter is not None and self.tree is not None else ()
+        return (*spec, Mode.AR)
+
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._wake:
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(30)
+
+    def submit(self, spec: RequestSpec, *, parent_span=None) -> RequestHandle:
+        """Queues a validated request; raises Overloaded when the queue is full or it can never fit."""
+        if self.fatal is not None:
+            raise RuntimeError(f"engine stopped: {self.fatal}")
+        mode = spec.mode or (Mode.DDTREE if Mode.DDTREE in self.modes else Mode.AR)
+        if mode not in self.modes:  # the drafter went away after validation
+            mode = Mode.AR
+        max_new = min(spec.sampling.max_tokens, self.target.max_context - len(spec.prompt_ids))
+        seed = spec.sampling.seed if spec.sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        rid = f"r{next(self._ids)}"
+        span = S.start_request_span(
+            self.tracer, model=self.target.name, prompt_tokens=len(spec.prompt_ids),
+            max_tokens=spec.sampling.max_tokens, temperature=spec.sampling.temperature, top_p=spec.sampling.top_p,
+            seed=spec.sampling.seed, mode=mode.value, budget=spec.budget, request_id=spec.client_request_id,
+            parent=parent_span)
+        req = _Request(
+            id=rid, seq_id=int(rid[1:]), spec=spec, mode=mode,
+            sampler=(SamplingParams(temperature=spec.sampling.temperature, top_k=spec.sampling.top_k,
+                                    top_p=spec.sampling.top_p), seed),
+            stop=StopChecker(spec.sampling, self.tokenizer.decoder(), eos_token_ids=self.target.eos_token_ids,
+                             max_new_tokens=max_new),
+            arrival=time.monotonic(), span=span, server_choice=spec.mode is None)
+        try:
+            self.scheduler.submit(req, self._worst_case_tokens(req, max_new))
+        except Overloaded as exc:
+            S.end_request_span(span, completion_tokens=0, finish_reason="error", steps=0, target_forwards=0,
+                               mean_acceptance_length=0.0, mode_used=mode.value, error=str(exc))
+            raise
+        with self._wake:
+            self._requests[rid] = req
+            self._wake.notify_all()
+        return RequestHandle(req, self)
+
+    def cancel(self, request_id: str) -> None:
+        with self._wake:
+            req = self._requests.get(request_id)
+            if req is not None:
+                req.cancelled = True
+                self._wake.notify_all()
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._reap()
+                admitted = self.scheduler.admit()
+                if admitted:
+                    self._prefill(admitted)
+                if self._running:
+                    self._step()
+                elif not admitted:
+                    with self._wake:
+                        self._wake.wait(self.config.idle_wait_s)
+        except BaseException as exc:  # the target failed: fail every request, stop serving
+            log.exception("engine loop failed; stopping")
+            self.fatal = exc
+            for req in list(self._requests.values()):
+                self._finish(req, FinishReason.ERROR, error=f"engine failed: {exc}")
+        finally:
+            for req in list(self._requests.values()):
+                self._finish(req, FinishReason.CANCELLED, error="server shutting down")
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            requests = list(self._requests.values())
+        for req in requests:
+            expired = req.spec.deadline is not None and now > req.spec.deadline
+            if req.cancelled or expired:
+                self._finish(req, FinishReason.CANCELLED, error="deadline exceeded" if expired else "")
+
+    def _worst_case_tokens(self, req: _Request, max_new: int) -> int:
+        tail = {Mode.AR: 1, Mode.CHAIN: 1 + self._draft_len(),
+                Mode.DDTREE: 1 + max(self.config.budget.max_budget, req.spec.budget)}[req.mode]
+        return len(req.spec.prompt_ids) + max_new + tail
+
+    def _draft_len(self) -> int:
+        return self.drafter.block_size - 1 if self.drafter is not None else 0
+
+    # ---- prefill ---------------------------------------------------------------------------------
+    def _prefill(self, admitted: list[_Request]) -> None:
+        admitted = [r for r in admitted if not r.cancelled]
+        for req in admitted:  # one forward per prompt: prompts are ragged and prefill is compute-bound
+            first, feats = self.target.prefill([req.seq_id], [req.spec.prompt_ids], [req.sampler])
+            req.target_forwards += 1
+            req.bonus, req.position = first[0], len(req.spec.prompt_ids)
+            req.new_features = feats[0] if req.mode is not Mode.AR else None
+            req.ttft_ms = (time.monotonic() - req.arrival) * 1e3
+            S.mark_first_token(req.span, req.ttft_ms)
+            self._running.append(req)
+            self._emit(req, [first[0]], accepted_length=1)
+
+    # ---- one decode step -------------------------------------------------------------------------
+    def _step(self) -> None:
+        batch = list(self._running)
+        self._step_id += 1
+        step_id = self._step_id
+        self._apply_policy(batch)
+        spec_rows = [r for r in batch if r.mode is not Mode.AR]
+        modes = {r.mode for r in batch}
+        step_mode = next(iter(modes)).value if len(modes) == 1 else "mixed"
+        budget = max((r.budget for r in batch if r.mode is Mode.DDTREE), default=0)
+        with S.step_span(self.tracer, step_id=step_id, batch_size=len(batch), mode=step_mode, budget=budget,
+                         requests=[r.span for r in batch], tp_size=self.target.tp_size) as step:
+            trees = self._propose(step_id, batch, spec_rows)
+            roots = torch.tensor([r.bonus for r in batch], dtype=torch.int64)
+            with S.component_span(self.tracer, S.VERIFY, backend="local"):
+                posterior, features = self.target.verify([r.seq_id for r in batch], roots, trees,
+                                                         [r.sampler for r in batch])
+            accepted = self._accept(step_id, trees, posterior)
+            with S.component_span(self.tracer, S.COMMIT, backend="local"):
+                self.target.commit([r.seq_id for r in batch], accepted.keep)
+                committed = self._commit(batch, trees, accepted, features)
+            S.end_step(step, tree_nodes=int(trees.num_nodes.sum()) + len(batch), accepted_tokens=committed)
+
+    def _apply_policy(self, batch: list[_Request]) -> None:
+        policy = self.config.budget
+        tree_rows = [r for r in batch if r.mode is Mode.DDTREE]
+        for r in batch:
+            if r.server_choice and r.mode is not Mode.AR and r.steps and \
+                    policy.falls_back_to_ar(r.steps, r.committed / r.steps):
+                log.info("request %s: mean acceptance %.2f after %d steps: speculation does not pay, ar",
+                         r.id, r.committed / r.steps, r.steps)
+                self._to_ar(r)
+            r.budget = policy.budget(len(tree_rows), r.spec.budget) if r.mode is Mode.DDTREE else 0
+
+    def _to_ar(self, req: _Request, reason: str = "") -> None:
+        req.mode, req.new_features = Mode.AR, None
+        if reason:
+            req.degradation = reason
+        if self.drafter is not None:
+            try:
+                self.drafter.release([req.id])
+            except PeerUnavailable:
+                pass
+
+    def _peer_ok(self, name: str) -> bool:
+        down = self._down.get(name)
+        if down is None:
+            return True
+        if time.monotonic() - down[0] > self.config.reattach_after_s:
+            log.info("retrying %s after %.0fs (%s)", name, time.monotonic() - down[0], down[1])
+            del self._down[name]
+            return True
+        return False
+
+    def _mark_down(self, name: str, exc: BaseException) -> str:
+        reason = f"{name} unavailable: {exc}"
+        if name not in self._down:
+            log.warning("%s; degrading", reason)
+        self._down[name] = (time.monotonic(), reason)
+        return reason
+
+    def _propose(self, step_id: int, batch: list[_Request], spec_rows: list[_Request]) -> TreeBatch:
+        """Draft and build the trees of the speculative rows; roots only for the rest."""
+        if spec_rows and not self._peer_ok("drafter"):
+            for r in spec_rows:
+                self._to_ar(r, f"drafter unavailable: ar ({self._down['drafter'][1]})")
+            spec_rows = []
+        if spec_rows:
+            k = min(max([r.budget for r in spec_rows if r.mode is Mode.DDTREE] + [1]),
+                    self.config.max_top_k, self.drafter.vocab_size)
+            items = [DraftItem(r.id, r.bonus, r.position, r.new_features) for r in spec_rows]
+            try:
+                with S.component_span(self.tracer, S.DRAFT, backend=self.drafter.name):
+                    top_lp, top_ids = self.drafter.draft(step_id, items, k)
+            except PeerUnavailable as exc:
+                reason = self._mark_down("drafter", exc)
+                for r in spec_rows:  # the drafter lost (or may have lost) their context: ar from now on
+                    self._to_ar(r, f"drafter unavailable: ar ({reason})")
+                spec_rows = []
+            else:
+                for r in spec_rows:
+                    r.new_features = None
+        parts: dict[int, TreeBatch] = {}
+        if spec_rows:
+            groups: dict[tuple[Mode, int], list[int]] = {}
+            for i, r in enumerate(spec_rows):
+                groups.setdefault((r.mode, r.budget), []).append(i)
+            with S.component_span(self.tracer, S.TREE_BUILD, backend=self._tree_name()):
+                for (mode, budget), rows in groups.items():
+                    idx = torch.tensor(rows)
+                    if mode is Mode.CHAIN:
+                        lp, ids, b = top_lp[idx, :, :1], top_ids[idx, :, :1], self._draft_len()
+                    else:
+                        lp, ids, b = top_lp[idx], top_ids[idx], budget
+                    built = self._build(step_id, lp.contiguous(), ids.contiguous(), b)
+                    for j, i in enumerate(rows):
+                        parts[id(spec_rows[i])] = _row(built, j)
+        rows = [parts.get(id(r)) or TreeBatch.roots_only(1) for r in batch]
+        return concat_trees(rows)
+
+    def _tree_name(self) -> str:
+        return self.tree.name if self.tree is not None and self._peer_ok("treebuild") else "local"
+
+    def _build(self, step_id: int, lp: torch.Tensor, ids: torch.Tensor, budget: int) -> TreeBatch:
+        if self.tree is not self.local_tree and self._peer_ok("treebuild"):
+            try:
+                return self.tree.build(step_id, lp, ids, budget)
+            except PeerUnavailable as exc:
+                self._mark_down("treebuild", exc)
+        return self.local_tree.build(step_id, lp, ids, budget)
+
+    def _accept(self, step_id: int, trees: TreeBatch, posterior: torch.Tensor):
+        if trees.width == 0:  # roots only (all rows ar): nothing to walk
+            b = posterior.shape[0]
+            zeros = torch.zeros(b, 1, dtype=torch.int64)
+            return Accepted(path=zeros, length=torch.ones(b, dtype=torch.int64), bonus=posterior[:, 0], keep=zeros)
+        with S.component_span(self.tracer, S.ACCEPT, backend=self._tree_name()):
+            if self.tree is not self.local_tree and self._peer_ok("treebuild"):
+                try:
+                    return self.tree.accept(step_id, trees, posterior)
+                except PeerUnavailable as exc:
+                    self._mark_down("treebuild", exc)
+            return self.local_tree.accept(step_id, trees, posterior)
+
+    def _commit(self, batch: list[_Request], trees: TreeBatch, accepted, features: torch.Tensor) -> int:
+        total = 0
+        degraded = self._down.get("treebuild")
+        for b, req in enumerate(batch):
+            n = int(accepted.length[b])
+            path = accepted.path[b, :n].to(torch.int64)
+            tokens = [int(trees.tokens[b, i - 1]) for i in path[1:].tolist()] + [int(accepted.bonus[b])]
+            if req.mode is not Mode.AR and features is not None and features.numel():
+                req.new_features = features[b, path]
+            req.position += n
+            req.bonus = tokens[-1]
+            req.steps += 1
+            req.target_forwards += 1
+            req.committed += len(tokens)
+            total += len(tokens)
+            if degraded and req.mode is not Mode.AR and not req.degradation:
+                req.degradation = f"treebuild unavailable: in-process tree build ({degraded[1]})"
+            self._emit(req, tokens, accepted_length=len(tokens))
+        return total
+
+    # ---- output ----------------------------------------------------------------------------------
+    def _emit(self, req: _Request, tokens: list[int], accepted_length: int) -> None:
+        out = req.stop.feed(tokens)
+        if out.token_ids:
+            req.out.put(Chunk(out.token_ids, out.text, accepted_length, req.degradation))
+        if out.finish is not None:
+            self._finish(req, out.finish)
+
+    def _finish(self, req: _Request, reason: FinishReason, error: str = "") -> None:
+        if req.finished:
+            return
+        req.finished = True
+        if req in self._running:
+            self._running.remove(req)
+        if not self.scheduler.drop_queued(req):
+            try:
+                self.target.release(req.seq_id)
+            except ValueError:
+                pass  # never prefilled (cancelled right after admission)
+        self.scheduler.finish(req)
+        if self.drafter is not None and req.mode is not Mode.AR:
+            try:
+                self.drafter.release([req.id])
+            except PeerUnavailable:
+                pass
+        with self._wake:
+            self._requests.pop(req.id, None)
+        mean = req.committed / req.steps if req.steps else 0.0
+        usage = Usage(prompt_tokens=len(req.spec.prompt_ids), completion_tokens=req.stop.generated,
+                      steps=req.steps, target_forwards=req.target_forwards, mean_acceptance_length=mean,
+                      finish_reason=reason, ttft_ms=req.ttft_ms, mode=req.mode, degradation=req.degradation,
+                      error=error)
+        S.end_request_span(req.span, completion_tokens=req.stop.generated, finish_reason=reason.value,
+                           steps=req.steps, target_forwards=req.target_forwards, mean_acceptance_length=mean,
+                           mode_used=req.mode.value, degradation=req.degradation,
+                           error=error if reason is FinishReason.ERROR else None)
+        req.out.put(usage)
+
+
+def _row(trees: TreeBatch, j: int) -> TreeBatch:
+    return TreeBatch(*(getattr(trees, f)[j:j + 1] for f in ("tokens", "depths", "parents", "num_nodes", "mask")))

@@ -1,0 +1,104 @@
+"""Builds an Engine from checkpoint paths: target (+ drafter in process), tokenizer, tree backends."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ddtree.engine.backends import LocalDrafter, LocalTree
+from ddtree.engine.engine import Engine, EngineConfig
+from ddtree.engine.target import LocalTarget
+from ddtree.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float32": torch.float32, "fp32": torch.float32}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """"auto": bfloat16 on a GPU, float32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r} (expected auto or one of {sorted(DTYPES)})") from None
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+@dataclass(frozen=True)
+class ModelSetup:
+    target: str                    # target checkpoint directory
+    drafter: str | None = None     # DFlash checkpoint directory, loaded in process (None: remote or none)
+    drafter_layer_ids: tuple[int, ...] = ()  # feature layers when the drafter is remote
+    device: str = "auto"
+    dtype: str = "auto"
+    max_context: int | None = None  # default: the target's max_position_embeddings
+    tree_backend: str = "auto"      # in-process tree build: reference | cpu | cuda | auto
+
+
+def feature_layers(setup: ModelSetup) -> tuple[int, ...]:
+    if setup.drafter:
+        from ddtree.models.dflash_config import DFlashConfig
+
+        return DFlashConfig.from_pretrained(setup.drafter).target_layer_ids
+    return tuple(setup.drafter_layer_ids)
+
+
+def load_target(setup: ModelSetup, config: EngineConfig, process_group=None) -> LocalTarget:
+    device = resolve_device(setup.device)
+    return LocalTarget.load(setup.target, dtype=resolve_dtype(setup.dtype, device), device=device,
+                            num_pages=config.scheduler.num_pages, page_size=config.scheduler.page_size,
+                            max_context=setup.max_context, feature_layers=feature_layers(setup),
+                            process_group=process_group)
+
+
+def local_drafter(setup: ModelSetup, target: LocalTarget, config: EngineConfig) -> LocalDrafter:
+    from ddtree.models.dflash import DFlashDrafter, DrafterContextCache
+
+    model = target.model
+    if model.tp.enabled:
+        raise ValueError("an in-process drafter needs --tp 1 (use the drafter service with tensor parallelism)")
+    drafter = DFlashDrafter.from_pretrained(setup.drafter, embed_tokens=model.embed_tokens, lm_head=model.lm_head,
+                                            dtype=model.dtype, device=model.device)
+    cache = DrafterContextCache(drafter.config, num_pages=config.scheduler.num_pages,
+                                page_size=config.scheduler.page_size, device=model.device, dtype=model.dtype)
+    return LocalDrafter(drafter, cache, name=Path(setup.drafter).name)
+
+
+def tree_backend(setup: ModelSetup) -> str:
+    if setup.tree_backend != "auto":
+        return setup.tree_backend
+    if resolve_device(setup.device).startswith("cuda"):
+        return "cuda"
+    from ddtree import native
+
+    try:
+        native.load()
+        return "cpu"
+    except native.NativeExtensionMissing:
+        log.warning("native extension missing: in-process tree build uses the reference backend")
+        return "reference"
+
+
+def build_local_engine(setup: ModelSetup, config: EngineConfig = EngineConfig(), *, target: LocalTarget | None = None,
+                       drafter=None, tree=None, tracer=None) -> Engine:
+    """Target (+ in-process drafter when setup.drafter) + tokenizer + in-process tree build.
+
+    `drafter`/`tree` override the in-process ones (remote backends from ddtree.engine.remote).
+    """
+    target = target or load_target(setup, config)
+    if drafter is None and setup.drafter:
+        drafter = local_drafter(setup, target, config)
+    tokenizer = load_tokenizer(setup.target, target.vocab_size)
+    local_tree = LocalTree(tree_backend(setup))
+    return Engine(target, tokenizer, config, drafter=drafter, tree=tree or local_tree, local_tree=local_tree,
+                  tracer=tracer)
