@@ -26,8 +26,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ddtree.models.config import RopeConfig
-from ddtree.models.dflash_config import GLOBAL_WEIGHT_NAMES, LAYER_WEIGHT_NAMES, DFlashConfig
+from ddtree.models.checkpoint import CheckpointIndex, check_names
+from ddtree.models.dflash_config import DFlashConfig
+from ddtree.models.rope import rope_inv_freq
 
 log = logging.getLogger(__name__)
 
@@ -47,32 +48,13 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_inv_freq(rope: RopeConfig, dim: int) -> Tensor:
-    """Inverse frequencies (float32, [dim/2]) for plain RoPE or YaRN, as transformers computes them."""
-    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    if rope.type != "yarn":
-        return 1.0 / pos_freqs
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
-
-    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
-    if rope.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # avoids a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
-    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-
-
 class Rotary(nn.Module):
     """cos/sin tables per position, scaled by the (explicit) YaRN attention factor."""
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
+        # The frequencies as transformers computes them; the cos/sin scale is the config's explicit choice.
+        self.register_buffer("inv_freq", rope_inv_freq(config.rope, config.head_dim)[0], persistent=False)
         self.scale = config.rope_attention_factor
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -333,9 +315,12 @@ class DFlashDrafter(nn.Module):
         config = DFlashConfig.from_pretrained(path, yarn_attention_factor=yarn_attention_factor)
         with torch.device("meta"):
             model = cls(config, embed_tokens=embed_tokens, lm_head=lm_head, vocab_shard=vocab_shard)
-        state = load_dflash_weights(path, config, dtype=dtype, device=device)
-        model.load_state_dict(state, assign=True, strict=True)
-        model.rotary.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(device)
+        # Names and shapes are checked against the model before any data is read. Some exports
+        # prefix "model." or carry the target's embedding/lm_head: neither is ours to load.
+        index = CheckpointIndex(path, prefix="model.", ignore_prefixes=("embed_tokens.", "lm_head."))
+        check_names({name: tuple(t.shape) for name, t in model.state_dict().items()}, index)
+        model.load_state_dict(dict(index.iter_tensors(dtype, device=device)), assign=True, strict=True)
+        model.rotary.inv_freq = rope_inv_freq(config.rope, config.head_dim)[0].to(device)
         log.info("loaded DFlash drafter from %s: %d layers, block %d, %d target layers, yarn attention "
                  "factor %.4f (%s)", path, config.num_hidden_layers, config.block_size,
                  len(config.target_layer_ids), config.rope_attention_factor, config.yarn_attention_factor_rule)
@@ -488,33 +473,3 @@ def _block_mask(q_pos: Tensor, k_pos: Tensor, valid: Tensor, causal: bool, windo
         if not causal:
             visible = visible & (k - q < window)
     return visible[:, None]
-
-
-# ---- checkpoint ----------------------------------------------------------------------------------
-def load_dflash_weights(path: str | Path, config: DFlashConfig, *, dtype: torch.dtype,
-                        device: torch.device | str) -> dict[str, Tensor]:
-    """Reads the drafter's tensors from *.safetensors; names checked against what the config implies."""
-    from safetensors import safe_open
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {path}")
-    expected = {f"layers.{i}.{n}" for i in range(config.num_hidden_layers) for n in LAYER_WEIGHT_NAMES}
-    expected |= set(GLOBAL_WEIGHT_NAMES)
-    if config.attention_bias:
-        expected |= {f"layers.{i}.self_attn.{p}.bias" for i in range(config.num_hidden_layers)
-                     for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
-    state: dict[str, Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                key = name.removeprefix("model.")
-                if key in expected:
-                    state[key] = f.get_tensor(name).to(device=device, dtype=dtype)
-                elif not key.startswith(("embed_tokens.", "lm_head.", "rotary_emb.")):
-                    raise ValueError(f"{file.name}: unexpected tensor {name!r} (not a DFlash drafter weight)")
-    missing = sorted(expected - state.keys())
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks {len(missing)} drafter tensors, e.g. {missing[:3]}")
-    # Our module names: attention/mlp live under the same names as z-lab's.
-    return state

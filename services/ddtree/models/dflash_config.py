@@ -28,14 +28,6 @@ from ddtree.models.config import RopeConfig, yarn_mscale
 YARN_ATTENTION_FACTOR_RULES = ("transformers", "yarn")
 DEFAULT_BLOCK_SIZE = 16
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# Weights the z-lab format stores and this module loads (per layer, then global).
-LAYER_WEIGHT_NAMES = (
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-    "input_layernorm.weight", "post_attention_layernorm.weight",
-)
-GLOBAL_WEIGHT_NAMES = ("fc.weight", "hidden_norm.weight", "norm.weight")
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
