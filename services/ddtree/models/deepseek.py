@@ -34,7 +34,8 @@ class StepOutput:
     """posterior [B, T] int64: the target's token at each row (argmax or sample); only rank 0's is meaningful.
 
     logits [B, T, vocab] float32 when asked; features [B, T, len(feature_layers) * hidden] (hidden
-    states after each feature layer, concatenated) when the model has feature layers.
+    states after each feature layer, concatenated, as transformers' hidden_states[layer + 1]: the
+    last layer's is the final-normed output) when the model has feature layers.
     """
 
     posterior: torch.Tensor
@@ -376,13 +377,16 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, lambda h, a=layer.self_attn, i=i: a.forward_paged(
                 h, cos, sin, self.rotary, cache, i, slots, table, prefix, mask))
-            if i in self.feature_layers:
+            if i in self.feature_layers and i < len(self.layers) - 1:
                 feats.append(x)
+        x = self.norm(x)
         features = None
         if self.feature_layers:
-            by_id = dict(zip(sorted(set(self.feature_layers)), feats))
+            # like transformers' hidden_states: the last layer's entry is the normed output
+            by_id = dict(zip(sorted(set(self.feature_layers) - {len(self.layers) - 1}), feats))
+            by_id[len(self.layers) - 1] = x
             features = torch.cat([by_id[i] for i in self.feature_layers], dim=-1).view(b, t, -1)
-        return self.norm(x), features
+        return x, features
 
     def _argmax(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.argmax_over_vocab(F.linear(x, self.lm_head), self.vocab_start)
