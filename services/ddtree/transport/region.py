@@ -1,0 +1,259 @@
+"""Regions: long-lived rings of equal slots. `Region` is one we produce; `ImportedRegion` is a
+peer's, imported once from its RegionHandle. Every TensorRef is checked against the region."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Sequence
+
+import torch
+
+from ddtree.transport import dtypes
+from ddtree.transport.errors import BadRegionHandle, BadTensorRef
+from ddtree.transport.host import host_id
+from ddtree.transport.memory import CudaIpcMemory, LocalMemory, Memory, ShmMemory
+from ddtree.v1 import tensor_pb2
+
+CUDA_IPC, SHM, INLINE = tensor_pb2.REGION_KIND_CUDA_IPC, tensor_pb2.REGION_KIND_SHM, tensor_pb2.REGION_KIND_INLINE
+KIND_NAMES = {CUDA_IPC: "cuda_ipc", SHM: "shm", INLINE: "inline"}
+KIND_OF_NAME = {v: k for k, v in KIND_NAMES.items()}
+
+SLOT_ALIGN = 256          # every slot starts 256-byte aligned (any dtype, vector loads)
+MAX_DIMS = 8
+MAX_SLOTS = 1 << 16
+MAX_REGION_BYTES = 1 << 40
+MAX_NAME = 128
+
+
+def kind_name(kind: int) -> str:
+    return KIND_NAMES.get(kind, f"kind {kind}")
+
+
+def align(n: int, to: int = SLOT_ALIGN) -> int:
+    """Rounds n up to a multiple of `to` (offsets of several tensors packed in one slot)."""
+    return (n + to - 1) // to * to
+
+
+def check_ref(ref: tensor_pb2.TensorRef, where: str, slot_count: int, slot_bytes: int):
+    """Validates slot/offset/dtype/shape against a region; returns (dtype, shape, start, nbytes)."""
+    if ref.slot >= slot_count:
+        raise BadTensorRef(f"{where}: slot {ref.slot} out of range [0, {slot_count})")
+    if ref.dtype not in dtypes.TORCH_OF:
+        raise BadTensorRef(f"{where}: unsupported dtype {ref.dtype}")
+    dtype = dtypes.TORCH_OF[ref.dtype]
+    itemsize = dtype.itemsize
+    if len(ref.shape) > MAX_DIMS:
+        raise BadTensorRef(f"{where}: {len(ref.shape)} dims, at most {MAX_DIMS} allowed")
+    for d in ref.shape:
+        if d < 0:
+            raise BadTensorRef(f"{where}: negative dim {d} in shape {list(ref.shape)}")
+        if d > slot_bytes:
+            raise BadTensorRef(f"{where}: absurd dim {d} in shape {list(ref.shape)} (slot holds {slot_bytes} bytes)")
+    if ref.offset >= slot_bytes:
+        raise BadTensorRef(f"{where}: offset {ref.offset} out of range [0, {slot_bytes})")
+    if ref.offset % itemsize:
+        raise BadTensorRef(f"{where}: offset {ref.offset} not aligned to {dtype} ({itemsize} bytes)")
+    nbytes = math.prod(ref.shape) * itemsize
+    if ref.offset + nbytes > slot_bytes:
+        raise BadTensorRef(f"{where}: {list(ref.shape)} {dtype} is {nbytes} bytes, does not fit at offset "
+                           f"{ref.offset} of a {slot_bytes}-byte slot")
+    return dtype, tuple(ref.shape), ref.slot * slot_bytes + ref.offset, nbytes
+
+
+def _typed_view(flat: torch.Tensor, start: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    return flat[start:start + nbytes].view(dtype).view(shape)
+
+
+class Region:
+    """A ring of `slot_count` slots of `slot_bytes` each that this process writes and peers read.
+
+    Producer loop: `t = region.view(slot, dtype, shape)`; write t (any stream); `region.record(slot)`
+    (cuda_ipc: orders the peer's reads after these writes); send `region.ref(slot, t)`.
+    """
+
+    def __init__(self, name: str, kind: int, slot_count: int, slot_bytes: int, device: torch.device):
+        if not name or len(name) > MAX_NAME:
+            raise ValueError(f"region name must be 1..{MAX_NAME} characters, got {name!r}")
+        if not 1 <= slot_count <= MAX_SLOTS:
+            raise ValueError(f"slot_count must be in [1, {MAX_SLOTS}], got {slot_count}")
+        if slot_bytes < 1:
+            raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
+        self.name, self.kind, self.device = name, kind, device
+        self.slot_count, self.slot_bytes = slot_count, align(slot_bytes)
+        self.byte_size = self.slot_count * self.slot_bytes
+        if self.byte_size > MAX_REGION_BYTES:
+            raise ValueError(f"region {name!r} of {self.byte_size} bytes is larger than {MAX_REGION_BYTES}")
+        self.events: list = []
+        if kind == CUDA_IPC:
+            if device.type != "cuda":
+                raise ValueError(f"cuda_ipc region {name!r} needs a CUDA device, got {device}")
+            ordinal = device.index if device.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", ordinal)
+            self.memory: Memory = CudaIpcMemory(ordinal, self.byte_size, handle=None)
+            with torch.cuda.device(ordinal):
+                self.events = [torch.cuda.Event(interprocess=True) for _ in range(slot_count)]
+                self._event_handles = [e.ipc_handle() for e in self.events]
+            from ddtree.transport.cuda_driver import driver
+            self.device_uuid = driver().device_uuid(ordinal)
+        elif kind == SHM:
+            if device.type != "cpu":
+                raise ValueError(f"shm region {name!r} lives in host memory; device must be cpu, got {device}")
+            self.memory = ShmMemory.create(name, self.byte_size)
+            self.device_uuid = ""
+        elif kind == INLINE:
+            self.memory = LocalMemory(self.byte_size, device)
+            self.device_uuid = ""
+        else:
+            raise ValueError(f"unknown region kind {kind}")
+        self.flat = self.memory.tensor
+
+    # --- producing ------------------------------------------------------------------------
+    def view(self, slot: int, dtype: torch.dtype, shape: Sequence[int], offset: int = 0) -> torch.Tensor:
+        """A writable tensor inside `slot` at byte `offset` (raises ValueError if it does not fit)."""
+        ref = tensor_pb2.TensorRef(region=self.name, slot=slot, offset=offset, dtype=dtypes.to_wire(dtype),
+                                   shape=list(shape))
+        _, shape, start, nbytes = check_ref(ref, f"region {self.name!r}", self.slot_count, self.slot_bytes)
+        return _typed_view(self.flat, start, nbytes, dtype, shape)
+
+    def ref(self, slot: int, tensor: torch.Tensor) -> tensor_pb2.TensorRef:
+        """The descriptor of `tensor`, a contiguous view inside `slot` (inline: with its bytes)."""
+        if not tensor.is_contiguous():
+            raise ValueError("tensor must be contiguous")
+        if not 0 <= slot < self.slot_count:
+            raise ValueError(f"slot {slot} out of range [0, {self.slot_count}) for region {self.name!r}")
+        nbytes = tensor.numel() * tensor.element_size()
+        offset = tensor.data_ptr() - self.flat.data_ptr() - slot * self.slot_bytes
+        if tensor.device != self.flat.device or offset < 0 or offset + nbytes > self.slot_bytes:
+            raise ValueError(f"tensor is not inside slot {slot} of region {self.name!r}")
+        ref = tensor_pb2.TensorRef(region=self.name, slot=slot, offset=offset,
+                                   dtype=dtypes.to_wire(tensor.dtype), shape=list(tensor.shape))
+        if self.kind == INLINE:
+            ref.inline_data = encode_inline(tensor)
+        return ref
+
+    def put(self, slot: int, tensor: torch.Tensor, offset: int = 0) -> tensor_pb2.TensorRef:
+        """Copies `tensor` into `slot` at `offset` (async on the current stream) and returns its ref."""
+        dst = self.view(slot, tensor.dtype, tensor.shape, offset)
+        dst.copy_(tensor, non_blocking=True)
+        return self.ref(slot, dst)
+
+    def record(self, slot: int, stream: "torch.cuda.Stream | None" = None) -> None:
+        """cuda_ipc: records the slot's interprocess event after the writes queued on `stream`
+        (default: current); peers wait on it before reading. No-op for shm/inline (the reply is the fence)."""
+        if self.events:
+            self.events[slot].record(stream if stream is not None else torch.cuda.current_stream(self.device))
+
+    def handle(self, inline: bool = False) -> tensor_pb2.RegionHandle:
+        """The RegionHandle peers import once (at Attach); `inline` exports it for a peer that
+        cannot map it (another host): refs to it then carry their bytes."""
+        h = tensor_pb2.RegionHandle(name=self.name, kind=INLINE if inline else self.kind, host_id=host_id(),
+                                    byte_size=self.byte_size, slot_count=self.slot_count,
+                                    slot_bytes=self.slot_bytes, producer_pid=os.getpid())
+        if not inline:
+            h.device_uuid, h.handle = self.device_uuid, self.memory.handle
+            h.event_handles.extend(self._event_handles if self.events else [])
+        return h
+
+    def inline_ref(self, ref: tensor_pb2.TensorRef) -> tensor_pb2.TensorRef:
+        """`ref` (into this region) with its bytes attached, for a peer that imported us inline."""
+        if ref.inline_data:
+            return ref
+        dtype, shape, start, nbytes = check_ref(ref, f"region {self.name!r}", self.slot_count, self.slot_bytes)
+        out = tensor_pb2.TensorRef()
+        out.CopyFrom(ref)
+        out.inline_data = encode_inline(_typed_view(self.flat, start, nbytes, dtype, shape))
+        return out
+
+    def close(self) -> None:
+        """Unlinks shm names and drops our references (memory goes with the last view of it)."""
+        if isinstance(self.memory, ShmMemory):
+            self.memory.unlink()
+        self.memory.release()
+        self.flat = None  # type: ignore[assignment]
+        self.events = []
+
+
+def encode_inline(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def decode_inline(ref: tensor_pb2.TensorRef, where: str, slot_count: int, slot_bytes: int,
+                  device: torch.device) -> torch.Tensor:
+    dtype, shape, _, nbytes = check_ref(ref, where, slot_count, slot_bytes)
+    if len(ref.inline_data) != nbytes:
+        raise BadTensorRef(f"{where}: inline_data has {len(ref.inline_data)} bytes, {list(shape)} {dtype} needs {nbytes}")
+    flat = torch.frombuffer(bytearray(ref.inline_data), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).view(shape).to(device, non_blocking=True)
+
+
+class ImportedRegion:
+    """A peer's region, mapped once; `resolve` turns its TensorRefs into tensors (no copy)."""
+
+    def __init__(self, peer_id: str, handle: tensor_pb2.RegionHandle, device: torch.device):
+        self.peer_id, self.name = peer_id, handle.name
+        self.where = f"region {handle.name!r} of peer {peer_id!r}"
+        _check_handle(handle, self.where)
+        self.kind = handle.kind
+        self.slot_count, self.slot_bytes, self.byte_size = handle.slot_count, handle.slot_bytes, handle.byte_size
+        self.device = device
+        self.events: list = []
+        self.memory: Memory | None = None
+        self.producer_pid = handle.producer_pid
+        if self.kind == SHM:
+            self.memory = ShmMemory.open(handle.handle, handle.byte_size)
+        elif self.kind == CUDA_IPC:
+            self._open_cuda(handle)
+        self.flat = self.memory.tensor if self.memory is not None else None
+
+    def _open_cuda(self, handle: tensor_pb2.RegionHandle) -> None:
+        from ddtree.transport.cuda_driver import CudaDriverError, driver
+        try:
+            ordinal = driver().ordinal_of(handle.device_uuid) if torch.cuda.is_available() else None
+        except CudaDriverError as exc:
+            raise BadRegionHandle(f"{self.where}: CUDA driver unavailable: {exc}") from None
+        if ordinal is None:
+            raise BadRegionHandle(f"{self.where}: device {handle.device_uuid!r} is not visible to this process")
+        if len(handle.event_handles) != handle.slot_count or any(len(e) != 64 for e in handle.event_handles):
+            raise BadRegionHandle(f"{self.where}: needs one 64-byte event handle per slot "
+                                  f"({handle.slot_count}), got {len(handle.event_handles)}")
+        self.device = torch.device("cuda", ordinal)
+        self.memory = CudaIpcMemory(ordinal, handle.byte_size, handle=handle.handle)
+        try:
+            self.events = [torch.cuda.Event.from_ipc_handle(self.device, e) for e in handle.event_handles]
+        except RuntimeError as exc:
+            raise BadRegionHandle(f"{self.where}: cannot open its CUDA IPC events: {exc}") from None
+
+    def resolve(self, ref: tensor_pb2.TensorRef) -> torch.Tensor:
+        """The tensor `ref` names; cuda_ipc: the current stream first waits on the slot's event."""
+        if self.kind == INLINE:
+            return decode_inline(ref, self.where, self.slot_count, self.slot_bytes, self.device)
+        if ref.inline_data:
+            raise BadTensorRef(f"{self.where}: inline_data sent for a {kind_name(self.kind)} region")
+        if self.flat is None:
+            raise BadTensorRef(f"{self.where} was released")
+        dtype, shape, start, nbytes = check_ref(ref, self.where, self.slot_count, self.slot_bytes)
+        if self.events:
+            torch.cuda.current_stream(self.device).wait_event(self.events[ref.slot])
+        return _typed_view(self.flat, start, nbytes, dtype, shape)
+
+    def release(self) -> None:
+        if self.memory is not None:
+            self.memory.release()
+        self.flat = None
+        self.events = []
+
+
+def _check_handle(h: tensor_pb2.RegionHandle, where: str) -> None:
+    if not h.name or len(h.name) > MAX_NAME:
+        raise BadRegionHandle(f"{where}: name must be 1..{MAX_NAME} characters")
+    if h.kind not in KIND_NAMES:
+        raise BadRegionHandle(f"{where}: unknown region kind {h.kind}")
+    if not 1 <= h.slot_count <= MAX_SLOTS:
+        raise BadRegionHandle(f"{where}: slot_count {h.slot_count} out of range [1, {MAX_SLOTS}]")
+    if h.slot_bytes < 1 or h.slot_bytes % 8:
+        raise BadRegionHandle(f"{where}: slot_bytes {h.slot_bytes} must be a positive multiple of 8")
+    if h.byte_size != h.slot_count * h.slot_bytes or h.byte_size > MAX_REGION_BYTES:
+        raise BadRegionHandle(f"{where}: byte_size {h.byte_size} != slot_count * slot_bytes "
+                              f"({h.slot_count} * {h.slot_bytes}) or too large")
+    if h.handle_offset != 0:
+        raise BadRegionHandle(f"{where}: handle_offset {h.handle_offset} unsupported (regions start at 0)")

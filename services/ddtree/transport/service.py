@@ -1,0 +1,124 @@
+"""gRPC side: the ddtree.v1.Transport servicer, the Attach helper services call from their own
+Attach RPC, peer identification by metadata and TransportError -> status-code mapping."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from typing import Iterator
+
+import grpc
+import torch
+
+from ddtree.transport.endpoint import Transport
+from ddtree.transport.errors import TransportError, UnknownPeer
+from ddtree.v1 import transport_pb2, transport_pb2_grpc
+
+PEER_METADATA_KEY = "ddtree-peer-id"
+# Attach for processes that serve only the Transport service (probe server, benchmarks). Same
+# messages as Drafter.Attach / TreeBuilder.Attach; registered as a generic method.
+TRANSPORT_ATTACH_METHOD = "/ddtree.v1.Transport/Attach"
+
+
+def peer_id_of(context: grpc.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == PEER_METADATA_KEY:
+            return value
+    raise UnknownPeer(f"missing {PEER_METADATA_KEY!r} metadata: call with PeerLink.metadata")
+
+
+@contextlib.contextmanager
+def transport_errors(context: grpc.ServicerContext) -> Iterator[None]:
+    """Turns a TransportError raised in the block into the matching gRPC status (the message
+    names the problem; no stack trace reaches the caller)."""
+    try:
+        yield
+    except TransportError as exc:
+        context.abort(exc.grpc_code, str(exc))
+
+
+@contextlib.contextmanager
+def serve_peer(transport: Transport, context: grpc.ServicerContext):
+    """For a step RPC handler: identifies the calling peer, holds its regions for the call and
+    maps transport errors to status codes.
+
+        with serve_peer(self.transport, context) as peer:
+            x = peer.resolve(request.input)
+            ...
+            return Reply(out=peer.for_peer(region.ref(slot, y)))
+    """
+    with transport_errors(context), transport.hold(peer_id_of(context)) as scope:
+        yield scope
+
+
+def attach(transport: Transport, request: transport_pb2.AttachRequest,
+           context: grpc.ServicerContext) -> transport_pb2.AttachReply:
+    """The body of a service's own Attach RPC (Drafter.Attach, TreeBuilder.Attach)."""
+    with transport_errors(context):
+        return transport.attach(request)
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """Sum of the tensor's bytes as unsigned integers, modulo 2^64 (ProbeReply.checksum)."""
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+    return int(flat.sum(dtype=torch.int64).item()) % (1 << 64)
+
+
+class TransportServicer(transport_pb2_grpc.TransportServicer):
+    """Status, Detach, Probe and ProbeStream over one Transport (plus Attach, see add_transport_service)."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+        self._echo_slots = itertools.count()  # thread-safe ring position for concurrent echoes
+
+    def Attach(self, request, context):
+        return attach(self.transport, request, context)
+
+    def Status(self, request, context):
+        return self.transport.status()
+
+    def Detach(self, request, context):
+        with transport_errors(context):
+            self.transport.detach(request.peer_id, token=request.token)
+        return transport_pb2.DetachReply()
+
+    def _probe(self, request: transport_pb2.ProbeRequest, scope) -> transport_pb2.ProbeReply:
+        start = time.perf_counter()
+        reply = transport_pb2.ProbeReply(step_id=request.step_id)
+        if request.HasField("input"):
+            tensor = scope.resolve(request.input)
+            reply.checksum = checksum(tensor)
+            if request.echo:
+                probe = self.transport.probe
+                slot = next(self._echo_slots) % probe.slot_count
+                ref = probe.put(slot, tensor.to(probe.device))
+                probe.record(slot)
+                reply.output.CopyFrom(scope.for_peer(ref))
+        reply.timing.server_ms = (time.perf_counter() - start) * 1e3
+        return reply
+
+    def Probe(self, request, context):
+        with serve_peer(self.transport, context) as scope:
+            return self._probe(request, scope)
+
+    def ProbeStream(self, request_iterator, context):
+        with serve_peer(self.transport, context) as scope:
+            for request in request_iterator:
+                try:
+                    yield self._probe(request, scope)
+                except TransportError as exc:
+                    context.abort(exc.grpc_code, str(exc))
+
+
+def add_transport_service(server, transport: Transport, with_attach: bool = True) -> TransportServicer:
+    """Registers ddtree.v1.Transport on a GrpcServer (before start). `with_attach` also serves
+    /ddtree.v1.Transport/Attach, for processes without a Drafter/TreeBuilder Attach of their own."""
+    servicer = TransportServicer(transport)
+    server.add(transport_pb2_grpc.add_TransportServicer_to_server, servicer, "ddtree.v1.Transport")
+    if with_attach:
+        handler = grpc.method_handlers_generic_handler("ddtree.v1.Transport", {
+            "Attach": grpc.unary_unary_rpc_method_handler(
+                servicer.Attach, request_deserializer=transport_pb2.AttachRequest.FromString,
+                response_serializer=transport_pb2.AttachReply.SerializeToString)})
+        server.add_generic(handler, "ddtree.v1.Transport")
+    return servicer
