@@ -1,0 +1,264 @@
+"""The two on-disk weight quantization formats we load, and their exact inverses.
+
+* FP8 block (DeepSeek-V3 / Kimi-K2 checkpoints): ``weight`` float8_e4m3fn ``[out, in]`` plus
+  ``weight_scale_inv`` float32 ``[ceil(out/128), ceil(in/128)]``; the real weight is
+  ``float(weight[i, j]) * scale_inv[i // 128, j // 128]`` (DeepSeek-V3 ``inference/kernel.py``
+  ``weight_dequant``: product in fp32, then cast to the model dtype).
+* INT4 pack-quantized (compressed-tensors, Kimi-K2-Thinking routed experts): ``weight_packed``
+  int32 ``[out, ceil(in/8)]``, ``weight_scale`` ``[out, ceil(in/group)]``, ``weight_shape``
+  ``[2]``. Symmetric signed int4 ``q`` in [-8, 7] is stored offset-binary as ``q + 8``; int32 word
+  ``k`` of a row holds columns ``8k .. 8k+7``, column ``8k + i`` in bits ``4i .. 4i+3`` (low nibble
+  first); padding columns are zero. The real weight is ``q * scale[row, col // group]``
+  (compressed-tensors ``pack_to_int32`` / ``unpack_from_int32`` / ``calculate_qparams``).
+
+Dequantization works on blocks of rows so the float32 temporaries stay small whatever the
+matrix size. The quantizers exist so tests can write quantized copies of tiny checkpoints.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FP8_E4M3_MAX = 448.0
+FP8_BLOCK = (128, 128)
+INT4_GROUP = 32
+INT4_PACK = 8  # int4 values per int32 word
+_INT4_OFFSET = 8  # offset-binary: stored nibble = q + 8
+_ROWS_PER_CHUNK = 256
+
+
+def _check_matrix(t: torch.Tensor, what: str) -> None:
+    if t.dim() != 2:
+        raise ValueError(f"{what} must be 2-D, got shape {tuple(t.shape)}")
+
+
+def fp8_scale_shape(shape: tuple[int, int], block: tuple[int, int] = FP8_BLOCK) -> tuple[int, int]:
+    """Shape of ``weight_scale_inv`` for a weight of ``shape``."""
+    return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+
+
+def quantize_fp8_block(
+    w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [out, in]`` -> ``(weight float8_e4m3fn [out, in], weight_scale_inv float32 [ceil(out/b0), ceil(in/b1)])``.
+
+    Each block's scale is its absolute maximum / 448 (DeepSeek-V3 ``weight_quant``); an all-zero
+    block gets scale 1 instead of 0 so that it does not dequantize to NaN.
+    """
+    _check_matrix(w, "weight")
+    out_dim, in_dim = w.shape
+    bo, bi = block
+    so, si = fp8_scale_shape((out_dim, in_dim), block)
+    padded = torch.zeros(so * bo, si * bi, dtype=torch.float32, device=w.device)
+    padded[:out_dim, :in_dim] = w.float()
+    blocks = padded.view(so, bo, si, bi)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    q = q.view(so * bo, si * bi)[:out_dim, :in_dim].to(torch.float8_e4m3fn).contiguous()
+    return q, scale_inv.contiguous()
+
+
+def dequantize_fp8_block(
+    w: torch.Tensor,
+    scale_inv: torch.Tensor,
+    dtype: torch.dtype,
+    block: tuple[int, int] = FP8_BLOCK,
+) -> torch.Tensor:
+    """FP8 block weight -> ``dtype``: product in float32, then cast (as DeepSeek-V3's kernel does)."""
+    _check_matrix(w, "FP8 weight")
+    if w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"FP8 weight must be float8_e4m3fn, got {w.dtype}")
+    expected = fp8_scale_shape(tuple(w.shape), block)
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(
+            f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match weight "
+            f"{tuple(w.shape)} with {block[0]}x{block[1]} blocks (expected {expected})"
+        )
+    out_dim, in_dim = w.shape
+    bo, bi = block
+    scale = scale_inv.float()
+    out = torch.empty(out_dim, in_dim, dtype=dtype, device=w.device)
+    for b, r0 in enumerate(range(0, out_dim, bo)):  # one block row at a time: small temporaries
+        r1 = min(r0 + bo, out_dim)
+        col_scale = scale[b].repeat_interleave(bi)[:in_dim]
+        if dtype == torch.float32:
+            out[r0:r1].copy_(w[r0:r1]).mul_(col_scale)
+        else:
+            out[r0:r1] = w[r0:r1].float().mul_(col_scale)
+    return out
+
+
+def int4_scale_shape(shape: tuple[int, int], group_size: int = INT4_GROUP) -> tuple[int, int]:
+    return (shape[0], math.ceil(shape[1] / group_size))
+
+
+def int4_packed_shape(shape: tuple[int, int]) -> tuple[int, int]:
+    return (shape[0], math.ceil(shape[1] / INT4_PACK))
+
+
+def pack_int4_group32(
+    w: torch.Tensor, group_size: int = INT4_GROUP, scale_dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w [out, in]`` -> ``(weight_packed int32, weight_scale, weight_shape int64 [2])``.
+
+    Symmetric per-group scale = absmax / 7.5 (compressed-tensors ``calculate_qparams``: range
+    [-8, 7]), rounded to ``scale_dtype`` before quantizing so the stored scale is the one used.
+    """
+    _check_matrix(w, "weight")
+    out_dim, in_dim = w.shape
+    n_groups = math.ceil(in_dim / group_size)
+    padded = torch.zeros(out_dim, n_groups * group_size, dtype=torch.float32, device=w.device)
+    padded[:, :in_dim] = w.float()
+    groups = padded.view(out_dim, n_groups, group_size)
+    absmax = groups.abs().amax(dim=2)
+    scale = (absmax / 7.5).to(scale_dtype)
+    scale = torch.where(scale == 0, torch.full_like(scale, torch.finfo(scale_dtype).eps), scale)
+    q = torch.round(groups / scale.float()[:, :, None]).clamp(-8, 7).view(out_dim, -1)[:, :in_dim]
+    return pack_int4(q.to(torch.int8)), scale.contiguous(), torch.tensor([out_dim, in_dim], dtype=torch.int64)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 values in [-8, 7], ``[out, in]`` -> int32 ``[out, ceil(in/8)]`` (layout in the module doc)."""
+    _check_matrix(q, "int4 values")
+    if q.dtype != torch.int8 or (q.numel() and (q.min() < -8 or q.max() > 7)):
+        raise ValueError("int4 values must be int8 in [-8, 7]")
+    out_dim, in_dim = q.shape
+    words = math.ceil(in_dim / INT4_PACK)
+    u = torch.zeros(out_dim, words * INT4_PACK, dtype=torch.int64, device=q.device)
+    u[:, :in_dim] = q.to(torch.int64) + _INT4_OFFSET
+    shifts = torch.arange(INT4_PACK, dtype=torch.int64, device=q.device) * 4
+    packed = (u.view(out_dim, words, INT4_PACK) << shifts).sum(dim=2)  # < 2**32, exact in int64
+    # Reinterpret the unsigned 32-bit word as int32 (two's complement), as the format stores it.
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 ``[rows, words]`` -> the stored nibbles, int32 ``[rows, 8 * words]`` in [0, 15]."""
+    shifts = torch.arange(INT4_PACK, dtype=torch.int32, device=packed.device) * 4
+    return ((packed.unsqueeze(-1) >> shifts) & 0xF).view(packed.shape[0], -1)  # mask undoes sign fill
+
+
+def unpack_int4(packed: torch.Tensor, in_dim: int) -> torch.Tensor:
+    """int32 ``[out, words]`` -> int8 ``[out, in_dim]`` in [-8, 7]."""
+    _check_matrix(packed, "weight_packed")
+    if packed.dtype != torch.int32:
+        raise ValueError(f"weight_packed must be int32, got {packed.dtype}")
+    if packed.shape[1] != math.ceil(in_dim / INT4_PACK):
+        raise ValueError(f"weight_packed has {packed.shape[1]} words per row; {in_dim} columns need {math.ceil(in_dim / INT4_PACK)}")
+    return (_nibbles(packed)[:, :in_dim] - _INT4_OFFSET).to(torch.int8)
+
+
+def dequantize_int4_group(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    group_size: int = INT4_GROUP,
+) -> torch.Tensor:
+    """INT4 pack-quantized weight -> ``dtype`` ``[out, in]``: ``q * scale`` in float32, then cast.
+
+    With a bf16/fp16 scale the float32 product is exact, so this equals compressed-tensors'
+    product in the scale's dtype.
+    """
+    out_dim, in_dim = shape
+    if tuple(packed.shape) != int4_packed_shape(shape):
+        raise ValueError(f"weight_packed shape {tuple(packed.shape)} does not match weight_shape {tuple(shape)} (expected {int4_packed_shape(shape)})")
+    if tuple(scale.shape) != int4_scale_shape(shape, group_size):
+        raise ValueError(
+            f"weight_scale shape {tuple(scale.shape)} does not match weight_shape {tuple(shape)} "
+            f"with group size {group_size} (expected {int4_scale_shape(shape, group_size)})"
+        )
+    if packed.dtype != torch.int32:
+        raise ValueError(f"weight_packed must be int32, got {packed.dtype}")
+    n_groups = scale.shape[1]
+    width = n_groups * group_size  # columns covered by the scales, >= in_dim
+    out = torch.empty(out_dim, in_dim, dtype=dtype, device=packed.device)
+    for r0 in range(0, out_dim, _ROWS_PER_CHUNK):
+        r1 = min(r0 + _ROWS_PER_CHUNK, out_dim)
+        nib = _nibbles(packed[r0:r1])
+        nib = nib[:, :width] if nib.shape[1] >= width else torch.nn.functional.pad(nib, (0, width - nib.shape[1]))
+        q = nib.float().sub_(_INT4_OFFSET).view(r1 - r0, n_groups, group_size)
+        out[r0:r1] = q.mul_(scale[r0:r1].float().unsqueeze(-1)).view(r1 - r0, width)[:, :in_dim]
+    return out
+
+
+# -- writing quantized copies of a checkpoint (tests, benchmarks) ---------------------------------
+
+FP8_QUANTIZATION_CONFIG = {
+    "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK),
+}
+
+
+def int4_quantization_config(ignore: list[str], group_size: int = INT4_GROUP) -> dict:
+    """The compressed-tensors config Kimi-K2-Thinking ships: weight-only symmetric int4, group 32."""
+    weights = {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
+        "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}, "block_structure": None,
+    }
+    return {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                      "input_activations": None, "output_activations": None}},
+        "ignore": ignore, "kv_cache_scheme": None,
+    }
+
+
+def is_routed_expert(name: str) -> bool:
+    """INT4 in Kimi-K2-Thinking: only the routed experts' projections."""
+    return ".mlp.experts." in name and name.endswith(".weight")
+
+
+def is_fp8_linear(name: str) -> bool:
+    """FP8 in DeepSeek-V3: the ``*_proj`` linears (not embeddings, lm_head, router gate, MTP eh_proj)."""
+    return name.endswith("_proj.weight") and not name.endswith("eh_proj.weight")
+
+
+def quantize_checkpoint(
+    src: str | Path, dst: str | Path, fmt: str, select: Callable[[str], bool] | None = None
+) -> list[str]:
+    """Write a copy of the HF checkpoint ``src`` to ``dst`` with the selected weights in ``fmt``.
+
+    ``fmt`` is ``"fp8"`` (DeepSeek-V3 block) or ``"int4"`` (compressed-tensors pack-quantized);
+    ``select(name)`` picks the 2-D weights to quantize (default: ``is_fp8_linear`` /
+    ``is_routed_expert``). Shard files and the index keep their names; config.json gains the
+    matching ``quantization_config``. Loads one shard at a time. Returns the quantized names.
+    """
+    if fmt not in ("fp8", "int4"):
+        raise ValueError(f"fmt must be 'fp8' or 'int4', got {fmt!r}")
+    select = select or (is_fp8_linear if fmt == "fp8" else is_routed_expert)
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    files = sorted(set(index["weight_map"].values())) if index else [p.name for p in sorted(src.glob("*.safetensors"))]
+    weight_map, quantized, ignored = {}, [], []
+    for file in files:
+        out = {}
+        for name, t in load_file(src / file).items():
+            if t.dim() == 2 and name.endswith(".weight") and select(name):
+                module = name[: -len(".weight")]
+                if fmt == "fp8":
+                    out[name], out[module + ".weight_scale_inv"] = quantize_fp8_block(t)
+                else:
+                    packed, scale, shape = pack_int4_group32(t)
+                    out.update({module + ".weight_packed": packed, module + ".weight_scale": scale,
+                                module + ".weight_shape": shape})
+                quantized.append(name)
+            else:
+                out[name] = t
+                if t.dim() == 2 and name.endswith("_proj.weight"):
+                    ignored.append(name[: -len(".weight")])
+        save_file(out, dst / file, metadata={"format": "pt"})
+        weight_map.update({k: file for k in out})
+    if index:
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = FP8_QUANTIZATION_CONFIG if fmt == "fp8" else int4_quantization_config(sorted(ignored))
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    return quantized
