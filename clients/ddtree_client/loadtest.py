@@ -1,0 +1,260 @@
+"""`ddtree-client loadtest`: a concurrency sweep (closed loop, or Poisson arrivals) over modes.
+
+Per level (mode x concurrency): requests, errors, tokens, wall_s, agg_tok/s = tokens / wall_s,
+per_req_tok/s = mean of tokens / E2E per request, TTFT / TPOT / ITL (per token) / inter-chunk /
+E2E percentiles, acceptance length (mean and histogram over steps), target forwards per token,
+and the speedup over `ar` at the same concurrency when `ar` is in the sweep.
+
+Closed loop: `concurrency` workers, each sends its next request when the previous one ends.
+Poisson (`rate`): requests arrive with exponential gaps at `rate` per second and at most
+`concurrency` are in flight (an arrival beyond that waits; its clock starts when it is sent).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, fields
+from typing import Callable, Sequence
+
+import grpc
+import numpy as np
+
+from ddtree.v1 import generation_pb2_grpc
+from ddtree_client.channel import DEFAULT_TARGET, open_channel
+from ddtree_client.generate import GenerateOptions, RequestRecord, build_request, stream_generate
+from ddtree_client.prompts import BUILTIN_PROMPTS
+
+PERCENTILES = (50, 90, 99)
+LATENCIES = ("ttft", "tpot", "itl", "inter_chunk", "e2e")
+
+
+@dataclass(frozen=True)
+class LoadTestConfig:
+    target: str = DEFAULT_TARGET
+    concurrency: tuple[int, ...] = (1, 4, 10, 32)
+    modes: tuple[str, ...] = ("ddtree",)
+    rate: float | None = None                 # requests/s (Poisson); None: closed loop
+    num_requests: int | None = None           # per level; None: max(8, 4 x concurrency)
+    options: GenerateOptions = GenerateOptions()
+    prompts: tuple[str, ...] = BUILTIN_PROMPTS
+    warmup: int = 0                           # requests sent one by one before the sweep, not counted
+    timeout_s: float = 600.0
+    tls_ca: str | None = None
+
+    def __post_init__(self):
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
+        if self.rate is not None and not (self.rate > 0 and math.isfinite(self.rate)):
+            raise ValueError(f"rate must be a positive number of requests per second, got {self.rate}")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if not self.prompts:
+            raise ValueError("the prompt set is empty")
+        for mode in self.modes:
+            GenerateOptions(mode=mode)        # validates the name
+
+    def requests_for(self, concurrency: int) -> int:
+        return self.num_requests or max(8, 4 * concurrency)
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    mode: str
+    concurrency: int
+    rate: float | None
+    requests: int
+    errors: int
+    tokens: int
+    wall_s: float
+    agg_tok_s: float
+    per_req_tok_s: float
+    latency_ms: dict[str, dict[str, float]]   # "ttft" -> {"p50", "p90", "p99", "mean"}
+    mean_acceptance_length: float
+    acceptance_hist: dict[int, int]           # accepted length -> steps
+    target_forwards_per_token: float
+    speedup_vs_ar: float | None = None
+    error_samples: tuple[str, ...] = ()
+
+
+def _stats_ms(values_s: Sequence[float]) -> dict[str, float]:
+    if not len(values_s):
+        return {f"p{p}": math.nan for p in PERCENTILES} | {"mean": math.nan}
+    ms = np.asarray(values_s, dtype=np.float64) * 1e3
+    return {f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES} | {"mean": float(ms.mean())}
+
+
+def summarize_level(mode: str, concurrency: int, rate: float | None, records: Sequence[RequestRecord],
+                    wall_s: float) -> LevelResult:
+    """The level's row from its requests (failed ones count as errors, not in the figures)."""
+    ok = [r for r in records if r.ok]
+    tokens = sum(r.tokens for r in ok)
+    accepted = [a for r in ok for a in r.accepted_lengths]
+    hist: dict[int, int] = {}
+    for a in accepted:
+        hist[a] = hist.get(a, 0) + 1
+    completion = sum(r.usage.completion_tokens for r in ok)
+    forwards = sum(r.usage.target_forwards for r in ok)
+    return LevelResult(
+        mode=mode, concurrency=concurrency, rate=rate, requests=len(records), errors=len(records) - len(ok),
+        tokens=tokens, wall_s=wall_s, agg_tok_s=tokens / wall_s if wall_s > 0 else math.nan,
+        per_req_tok_s=float(np.mean([r.tokens / r.e2e_s for r in ok])) if ok else math.nan,
+        latency_ms={
+            "ttft": _stats_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+            "tpot": _stats_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
+            "itl": _stats_ms([x for r in ok for x in r.itl_per_token_s]),
+            "inter_chunk": _stats_ms([x for r in ok for x in r.inter_chunk_s]),
+            "e2e": _stats_ms([r.e2e_s for r in ok]),
+        },
+        mean_acceptance_length=float(np.mean(accepted)) if accepted else math.nan,
+        acceptance_hist=dict(sorted(hist.items())),
+        target_forwards_per_token=forwards / completion if completion else math.nan,
+        error_samples=tuple(sorted({r.error for r in records if r.error}))[:3],
+    )
+
+
+def with_speedups(results: Sequence[LevelResult]) -> list[LevelResult]:
+    """Fills speedup_vs_ar = agg_tok/s / ar's agg_tok/s at the same concurrency (when measured)."""
+    ar = {r.concurrency: r.agg_tok_s for r in results if r.mode == "ar"}
+    out = []
+    for r in results:
+        base = ar.get(r.concurrency)
+        speedup = r.agg_tok_s / base if base and base > 0 and not math.isnan(r.agg_tok_s) else None
+        out.append(LevelResult(**{**{f.name: getattr(r, f.name) for f in fields(r)}, "speedup_vs_ar": speedup}))
+    return out
+
+
+def run_level(stub: generation_pb2_grpc.GenerationStub, config: LoadTestConfig, mode: str, concurrency: int,
+              *, on_done: Callable[[RequestRecord], None] | None = None, seed: int = 0) -> tuple[LevelResult, list[RequestRecord]]:
+    """Runs one level and returns its row and the raw per-request records."""
+    n = config.requests_for(concurrency)
+    options = GenerateOptions(**{**asdict(config.options), "mode": mode})
+    records: list[RequestRecord] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        opts = options if options.seed is None else GenerateOptions(**{**asdict(options), "seed": options.seed + i})
+        request = build_request(config.prompts[i % len(config.prompts)], opts, request_id=f"loadtest-{mode}-c{concurrency}-{i}")
+        record = stream_generate(stub, request, timeout_s=config.timeout_s, prompt_index=i % len(config.prompts))
+        with lock:
+            records.append(record)
+        if on_done is not None:
+            on_done(record)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"loadtest-c{concurrency}") as pool:
+        if config.rate is None:
+            futures = [pool.submit(one, i) for i in range(n)]       # pool size = the closed loop's width
+        else:
+            rng = random.Random(seed)
+            futures = []
+            next_arrival = start
+            for i in range(n):
+                delay = next_arrival - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                futures.append(pool.submit(one, i))
+                next_arrival += rng.expovariate(config.rate)
+        for f in futures:
+            f.result()
+    first_send = min((r.start for r in records), default=start)
+    wall = max((r.end for r in records), default=start) - first_send
+    return summarize_level(mode, concurrency, config.rate, records, wall), records
+
+
+def run_sweep(config: LoadTestConfig, *, progress: bool = True) -> list[LevelResult]:
+    """Every mode x concurrency level, one after the other, on one channel."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    results = []
+    with open_channel(config.target, tls_ca=config.tls_ca) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=min(config.timeout_s, 30.0))
+        except grpc.FutureTimeoutError:
+            raise ConnectionError(f"cannot connect to {config.target}") from None
+        for i in range(config.warmup):
+            request = build_request(config.prompts[i % len(config.prompts)], config.options, request_id=f"warmup-{i}")
+            stream_generate(stub, request, timeout_s=config.timeout_s)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tok]}"),
+                   TimeElapsedColumn())
+        with Progress(*columns, console=Console(stderr=True), disable=not progress, transient=False) as bar:
+            for mode in config.modes:
+                for conc in config.concurrency:
+                    task = bar.add_task(f"{mode:>6} conc {conc:>3}", total=config.requests_for(conc), tok="")
+                    tokens = [0]
+
+                    def done(record: RequestRecord, task=task, tokens=tokens) -> None:
+                        tokens[0] += record.tokens
+                        bar.update(task, advance=1, tok=f"{tokens[0]} tok")
+
+                    result, _ = run_level(stub, config, mode, conc, on_done=done, seed=len(results))
+                    bar.update(task, tok=f"{result.agg_tok_s:.1f} tok/s, {result.errors} errors")
+                    results.append(result)
+    return with_speedups(results)
+
+
+# ---- output -----------------------------------------------------------------------------------
+def _f(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def format_table(results: Sequence[LevelResult]) -> str:
+    """Throughput, latency and acceptance tables as fixed-width text."""
+    lines = [f"{'mode':<7}{'conc':>5}{'reqs':>6}{'err':>5}{'tokens':>8}{'wall_s':>9}{'agg_tok/s':>11}"
+             f"{'per_req_tok/s':>15}{'acc_len':>9}{'fwd/tok':>9}{'vs_ar':>7}"]
+    for r in results:
+        lines.append(f"{r.mode:<7}{r.concurrency:>5}{r.requests:>6}{r.errors:>5}{r.tokens:>8}{r.wall_s:>9.2f}"
+                     f"{_f(r.agg_tok_s):>11}{_f(r.per_req_tok_s):>15}{_f(r.mean_acceptance_length, 2):>9}"
+                     f"{_f(r.target_forwards_per_token, 3):>9}{_f(r.speedup_vs_ar, 2):>7}")
+    lines += ["", "latency ms, p50/p90/p99 (itl: per token; inter_chunk: per streamed chunk)",
+              f"{'mode':<7}{'conc':>5}" + "".join(f"{name:>22}" for name in LATENCIES)]
+    for r in results:
+        cells = ["/".join(_f(r.latency_ms[name][f"p{p}"]) for p in PERCENTILES) for name in LATENCIES]
+        lines.append(f"{r.mode:<7}{r.concurrency:>5}" + "".join(f"{c:>22}" for c in cells))
+    lines += ["", "acceptance length histogram (accepted length: steps)"]
+    for r in results:
+        hist = " ".join(f"{k}:{v}" for k, v in r.acceptance_hist.items()) or "-"
+        lines.append(f"{r.mode:<7}{r.concurrency:>5}  {hist}")
+    errors = [f"{r.mode} conc {r.concurrency}: {e}" for r in results for e in r.error_samples]
+    if errors:
+        lines += ["", "errors (samples):", *errors]
+    return "\n".join(lines) + "\n"
+
+
+def _no_nan(value):
+    """JSON has no NaN: missing figures become null."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_no_nan(v) for v in value]
+    return value
+
+
+def to_json(results: Sequence[LevelResult], config: LoadTestConfig) -> str:
+    meta = {"target": config.target, "rate": config.rate, "options": asdict(config.options),
+            "prompts": len(config.prompts)}
+    return json.dumps(_no_nan({"config": meta, "levels": [asdict(r) for r in results]}), indent=1)
+
+
+def to_csv(results: Sequence[LevelResult]) -> str:
+    """One row per level; latency columns flattened as <name>_p50_ms ...; histogram as "1:3;2:7"."""
+    scalar = ["mode", "concurrency", "rate", "requests", "errors", "tokens", "wall_s", "agg_tok_s",
+              "per_req_tok_s", "mean_acceptance_length", "target_forwards_per_token", "speedup_vs_ar"]
+    stats = (*(f"p{p}" for p in PERCENTILES), "mean")
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(scalar + [f"{name}_{stat}_ms" for name in LATENCIES for stat in stats] + ["acceptance_hist"])
+    for r in results:
+        row = [getattr(r, k) for k in scalar] + [r.latency_ms[name][stat] for name in LATENCIES for stat in stats]
+        row.append(";".join(f"{k}:{v}" for k, v in r.acceptance_hist.items()))
+        writer.writerow(["" if v is None else v for v in row])
+    return buf.getvalue()
