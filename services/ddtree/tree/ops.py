@@ -1,0 +1,168 @@
+"""build_trees / accept over three backends that produce identical results.
+
+- "reference": plain Python heapq (the oracle; slow), any device, results on the input's device.
+- "cpu": C++ in ddtree._C, the batch spread over threads with the GIL released.
+- "cuda": one warp per request on the current stream; no host synchronisation when
+  check=False, so it can be captured in a CUDA graph (then read Trees.status yourself).
+"auto" picks "cuda" for CUDA tensors and "cpu" otherwise.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ddtree import native
+from ddtree.tree import checks, reference
+from ddtree.tree.structures import Accepted, Trees
+
+BACKENDS = ("reference", "cpu", "cuda")
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "cuda" if device.type == "cuda" else "cpu"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown tree backend {backend!r}; choose one of {', '.join(BACKENDS)} or auto")
+    if backend == "cpu" and device.type != "cpu":
+        raise ValueError(f"the cpu backend needs CPU tensors, got tensors on {device}")
+    if backend == "cuda":
+        if device.type != "cuda":
+            raise ValueError(f"the cuda backend needs CUDA tensors, got tensors on {device}")
+        if not native.cuda_kernels_built():
+            raise ValueError("the cuda backend is unavailable: ddtree._C was built without CUDA")
+    return backend
+
+
+def _threads(threads: int | None) -> int:
+    return max(1, threads if threads is not None else (os.cpu_count() or 1))
+
+
+def _empty_trees(batch: int, n: int, draft_len: int, device) -> Trees:
+    i32 = dict(dtype=torch.int32, device=device)
+    words = (n + 1 + 63) // 64
+    return Trees(tokens=torch.empty(batch, n, **i32), depths=torch.empty(batch, n, **i32),
+                 parents=torch.empty(batch, n + 1, **i32), num_nodes=torch.empty(batch, **i32),
+                 mask=torch.empty(batch, n + 1, words, dtype=torch.uint64, device=device),
+                 draft_len=draft_len, status=torch.empty(batch, **i32))
+
+
+def build_trees(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int | Sequence[int],
+                backend: str = "auto", *, check: bool = True, threads: int | None = None) -> Trees:
+    """Best-first draft trees from top-k log-probs [Bt, D, K] (float32, rows descending) and
+    token ids [Bt, D, K] (int32/int64), at most `budget` nodes per request (an int, or one per
+    request; outputs are padded to the largest). Bad input raises ValueError; with check=False
+    on CUDA, value errors are left in Trees.status (per request, 0 = ok) instead."""
+    budgets = checks.check_build_inputs(top_logprobs, top_ids, budget)
+    backend = _resolve_backend(backend, top_logprobs.device)
+    batch, depth, topk = top_logprobs.shape
+    n = max(budgets)
+    if backend == "reference":
+        return _build_reference(top_logprobs, top_ids, budgets)
+    lp = top_logprobs.contiguous()
+    ids = top_ids.to(torch.int32).contiguous()
+    out = _empty_trees(batch, n, depth, lp.device)
+    budget_tensor = None
+    if any(b != n for b in budgets):
+        budget_tensor = torch.tensor(budgets, dtype=torch.int32).to(lp.device)
+    args = (lp.data_ptr(), ids.data_ptr(), budget_tensor.data_ptr() if budget_tensor is not None else 0,
+            batch, depth, topk, n, out.tokens.data_ptr(), out.depths.data_ptr(),
+            out.parents.data_ptr(), out.num_nodes.data_ptr(), out.mask.data_ptr(),
+            out.status.data_ptr())
+    C = native.load()
+    if backend == "cpu":
+        C.tree_build_cpu(*args, _threads(threads))
+    else:
+        with torch.cuda.device(lp.device):
+            C.tree_build_cuda(*args, torch.cuda.current_stream(lp.device).cuda_stream)
+    if check or backend == "cpu":
+        checks.raise_on_status(out.status)
+    return out
+
+
+def accept(trees: Trees, posterior: torch.Tensor, backend: str = "auto", *, check: bool = True,
+           threads: int | None = None) -> Accepted:
+    """The accept walk: from the root, move to the child whose token equals the posterior token
+    at the current node (argmax, or the target's sample there), until there is none. posterior
+    is [Bt, N + 1] int32/int64, one target token per node, root first."""
+    checks.check_trees(trees)
+    checks.check_posterior(trees, posterior)
+    backend = _resolve_backend(backend, trees.tokens.device)
+    if backend == "reference":
+        return _accept_reference(trees, posterior)
+    batch, n, width = trees.batch, trees.budget, trees.draft_len + 1
+    device = trees.tokens.device
+    post = posterior.to(torch.int32).contiguous()
+    i32 = dict(dtype=torch.int32, device=device)
+    out = Accepted(path=torch.empty(batch, width, **i32), length=torch.empty(batch, **i32),
+                   bonus=torch.empty(batch, **i32), keep=torch.empty(batch, width, **i32),
+                   status=torch.empty(batch, **i32))
+    args = (trees.tokens.contiguous().data_ptr(), trees.parents.contiguous().data_ptr(),
+            trees.num_nodes.contiguous().data_ptr(), post.data_ptr(), batch, n, trees.draft_len,
+            out.path.data_ptr(), out.length.data_ptr(), out.bonus.data_ptr(), out.keep.data_ptr(),
+            out.status.data_ptr())
+    C = native.load()
+    if backend == "cpu":
+        C.tree_accept_cpu(*args, _threads(threads))
+    else:
+        with torch.cuda.device(device):
+            C.tree_accept_cuda(*args, torch.cuda.current_stream(device).cuda_stream)
+    if check or backend == "cpu":
+        checks.raise_on_status(out.status)
+    return out
+
+
+def _value_status(lp: np.ndarray) -> np.ndarray:
+    """Per-request status of the log-prob values, as the native backends compute it."""
+    status = np.zeros(lp.shape[0], dtype=np.int32)
+    descending = (lp[:, :, :-1] >= lp[:, :, 1:]).all(axis=(1, 2))
+    status[~descending] = checks.STATUS_NOT_DESCENDING
+    status[~np.isfinite(lp).all(axis=(1, 2))] = checks.STATUS_NON_FINITE
+    return status
+
+
+def _build_reference(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budgets: list[int]) -> Trees:
+    lp = top_logprobs.detach().cpu().numpy()
+    ids = top_ids.detach().cpu().numpy()
+    batch, depth, _ = lp.shape
+    n = max(budgets)
+    status = _value_status(lp)
+    checks.raise_on_status(torch.from_numpy(status))
+    tokens = np.full((batch, n), -1, dtype=np.int32)
+    depths = np.zeros((batch, n), dtype=np.int32)
+    parents = np.full((batch, n + 1), -1, dtype=np.int32)
+    num_nodes = np.zeros(batch, dtype=np.int32)
+    mask = np.zeros((batch, n + 1, (n + 64) // 64), dtype=np.uint64)
+    for b in range(batch):
+        tree = reference.build_tree(lp[b], ids[b], budgets[b])
+        m = len(tree.tokens)
+        tokens[b, :m], depths[b, :m], parents[b, : m + 1], num_nodes[b] = tree.tokens, tree.depths, tree.parents, m
+        mask[b] = reference.ancestor_mask(tree.parents, n + 1)
+    device = top_logprobs.device
+    as_tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    return Trees(tokens=as_tensor(tokens), depths=as_tensor(depths), parents=as_tensor(parents),
+                 num_nodes=as_tensor(num_nodes), mask=as_tensor(mask), draft_len=depth,
+                 status=as_tensor(status))
+
+
+def _accept_reference(trees: Trees, posterior: torch.Tensor) -> Accepted:
+    tokens, parents = trees.tokens.cpu().numpy(), trees.parents.cpu().numpy()
+    num_nodes, post = trees.num_nodes.cpu().numpy(), posterior.cpu().numpy()
+    batch, n, width = trees.batch, trees.budget, trees.draft_len + 1
+    for b in range(batch):  # the same structural check as the native backends
+        m = int(num_nodes[b])
+        if not 0 <= m <= n or any(not 0 <= parents[b, j] < j for j in range(1, m + 1)):
+            raise ValueError(checks.STATUS_MESSAGES[checks.STATUS_BAD_TREE].format(b=b))
+    path = np.full((batch, width), -1, dtype=np.int32)
+    length = np.zeros(batch, dtype=np.int32)
+    bonus = np.zeros(batch, dtype=np.int32)
+    for b in range(batch):
+        walk = reference.accept_walk(tokens[b], parents[b], int(num_nodes[b]), post[b], trees.draft_len)
+        path[b, : len(walk.path)] = walk.path
+        length[b], bonus[b] = len(walk.path), walk.bonus
+    device = trees.tokens.device
+    as_tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    return Accepted(path=as_tensor(path), length=as_tensor(length), bonus=as_tensor(bonus),
+                    keep=as_tensor(path.copy()), status=as_tensor(np.zeros(batch, dtype=np.int32)))
