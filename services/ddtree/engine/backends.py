@@ -13,6 +13,9 @@ from typing import Protocol, Sequence
 import torch
 
 
+FIELDS = ("tokens", "depths", "parents", "num_nodes", "mask")
+
+
 class PeerUnavailable(RuntimeError):
     """A remote drafter or tree builder could not serve a call (unreachable, crashed, timed out)."""
 
@@ -26,6 +29,7 @@ class TreeBatch:
     parents: torch.Tensor    # [B, N + 1] parent index (-1 for the root and padding)
     num_nodes: torch.Tensor  # [B] real nodes excluding the root
     mask: torch.Tensor       # [B, N + 1, ceil((N + 1) / 64)] ancestor bitmask words (uint64 or int64)
+    draft_len: int = 0       # D: deepest possible node (accept paths have D + 1 slots)
 
     @property
     def width(self) -> int:
@@ -43,7 +47,7 @@ class TreeBatch:
     @staticmethod
     def of(trees) -> "TreeBatch":
         """From any object with the five fields (ddtree.tree.Trees), moved to CPU."""
-        return TreeBatch(*(getattr(trees, f).cpu() for f in ("tokens", "depths", "parents", "num_nodes", "mask")))
+        return TreeBatch(*(getattr(trees, f).cpu() for f in FIELDS), draft_len=trees.draft_len)
 
 
 def concat_trees(parts: Sequence[TreeBatch]) -> TreeBatch:
@@ -62,8 +66,8 @@ def concat_trees(parts: Sequence[TreeBatch]) -> TreeBatch:
             depths=torch.cat([p.depths.to(torch.int64), torch.zeros(b, pad, dtype=torch.int64)], 1),
             parents=torch.cat([p.parents.to(torch.int64), torch.full((b, pad), -1, dtype=torch.int64)], 1),
             num_nodes=p.num_nodes.to(torch.int64), mask=mask))
-    return TreeBatch(*(torch.cat([getattr(t, f) for t in out]) for f in
-                       ("tokens", "depths", "parents", "num_nodes", "mask")))
+    return TreeBatch(*(torch.cat([getattr(t, f) for t in out]) for f in FIELDS),
+                     draft_len=max(p.draft_len for p in parts))
 
 
 def _bit(i: int) -> int:
@@ -101,7 +105,7 @@ class DrafterBackend(Protocol):
 class TreeBackend(Protocol):
     name: str
 
-    def build(self, step_id: int, top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -> TreeBatch: ...
+    def build(self, step_id: int, top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: "int | Sequence[int]") -> TreeBatch: ...
 
     def accept(self, step_id: int, trees: TreeBatch, posterior: torch.Tensor) -> Accepted: ...
 
@@ -143,6 +147,7 @@ class LocalTree:
     def accept(self, step_id, trees, posterior):
         t = self._tree.Trees(tokens=trees.tokens.to(torch.int32), depths=trees.depths.to(torch.int32),
                              parents=trees.parents.to(torch.int32), num_nodes=trees.num_nodes.to(torch.int32),
-                             mask=trees.mask.view(torch.uint64) if trees.mask.dtype == torch.int64 else trees.mask)
+                             mask=trees.mask.view(torch.uint64) if trees.mask.dtype == torch.int64 else trees.mask,
+                             draft_len=trees.draft_len)
         a = self._tree.accept(t, posterior.to(torch.int32), backend=self.backend)
         return Accepted(path=a.path.cpu(), length=a.length.cpu(), bonus=a.bonus.cpu(), keep=a.keep.cpu())

@@ -32,7 +32,7 @@ from typing import Iterator, Protocol, Sequence
 
 import torch
 
-from ddtree.engine.backends import (Accepted, DraftItem, DrafterBackend, PeerUnavailable, TreeBackend, TreeBatch,
+from ddtree.engine.backends import (FIELDS, Accepted, DraftItem, DrafterBackend, PeerUnavailable, TreeBackend, TreeBatch,
                                     concat_trees)
 from ddtree.engine.budget import BudgetPolicy
 from ddtree.engine.request import (FinishReason, Limits, Mode, Overloaded, RequestSpec)
@@ -369,17 +369,17 @@ class Engine:
                     r.new_features = None
         parts: dict[int, TreeBatch] = {}
         if spec_rows:
-            groups: dict[tuple[Mode, int], list[int]] = {}
-            for i, r in enumerate(spec_rows):
-                groups.setdefault((r.mode, r.budget), []).append(i)
             with S.component_span(self.tracer, S.TREE_BUILD, backend=self._tree_name()):
-                for (mode, budget), rows in groups.items():
+                for mode in (Mode.DDTREE, Mode.CHAIN):
+                    rows = [i for i, r in enumerate(spec_rows) if r.mode is mode]
+                    if not rows:
+                        continue
                     idx = torch.tensor(rows)
-                    if mode is Mode.CHAIN:
-                        lp, ids, b = top_lp[idx, :, :1], top_ids[idx, :, :1], self._draft_len()
+                    if mode is Mode.CHAIN:  # one DFlash path: K = 1, every draft position
+                        lp, ids, budget = top_lp[idx, :, :1], top_ids[idx, :, :1], self._draft_len()
                     else:
-                        lp, ids, b = top_lp[idx], top_ids[idx], budget
-                    built = self._build(step_id, lp.contiguous(), ids.contiguous(), b)
+                        lp, ids, budget = top_lp[idx], top_ids[idx], [spec_rows[i].budget for i in rows]
+                    built = self._build(step_id, lp.contiguous(), ids.contiguous(), budget)
                     for j, i in enumerate(rows):
                         parts[id(spec_rows[i])] = _row(built, j)
         rows = [parts.get(id(r)) or TreeBatch.roots_only(1) for r in batch]
@@ -388,7 +388,7 @@ class Engine:
     def _tree_name(self) -> str:
         return self.tree.name if self.tree is not None and self._peer_ok("treebuild") else "local"
 
-    def _build(self, step_id: int, lp: torch.Tensor, ids: torch.Tensor, budget: int) -> TreeBatch:
+    def _build(self, step_id: int, lp: torch.Tensor, ids: torch.Tensor, budget) -> TreeBatch:
         if self.tree is not self.local_tree and self._peer_ok("treebuild"):
             try:
                 return self.tree.build(step_id, lp, ids, budget)
@@ -469,4 +469,4 @@ class Engine:
 
 
 def _row(trees: TreeBatch, j: int) -> TreeBatch:
-    return TreeBatch(*(getattr(trees, f)[j:j + 1] for f in ("tokens", "depths", "parents", "num_nodes", "mask")))
+    return TreeBatch(*(getattr(trees, f)[j:j + 1] for f in FIELDS), draft_len=trees.draft_len)

@@ -42,7 +42,7 @@ class ModelSetup:
     device: str = "auto"
     dtype: str = "auto"
     max_context: int | None = None  # default: the target's max_position_embeddings
-    tree_backend: str = "auto"      # in-process tree build: reference | cpu | cuda | auto
+    tree_backend: str = "auto"      # in-process tree build: reference | cpu | cuda | auto (by device)
 
 
 def feature_layers(setup: ModelSetup) -> tuple[int, ...]:
@@ -75,15 +75,14 @@ def local_drafter(setup: ModelSetup, target: LocalTarget, config: EngineConfig) 
 
 
 def tree_backend(setup: ModelSetup) -> str:
+    """"auto": the native backend matching the tensors' device (ddtree.tree's own choice)."""
     if setup.tree_backend != "auto":
         return setup.tree_backend
-    if resolve_device(setup.device).startswith("cuda"):
-        return "cuda"
     from ddtree import native
 
     try:
         native.load()
-        return "cpu"
+        return "auto"
     except native.NativeExtensionMissing:
         log.warning("native extension missing: in-process tree build uses the reference backend")
         return "reference"

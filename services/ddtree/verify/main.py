@@ -1,0 +1,171 @@
+"""`ddtree serve verify`: the target model, the engine and the public Generation API.
+
+    ddtree serve verify --target DIR [--drafter DIR [--drafter-endpoint HOST:PORT]]
+                        [--treebuild-endpoint HOST:PORT] [--tp N] [--host H --port P]
+
+--drafter DIR names the DFlash checkpoint (its target_layer_ids decide which target hidden states
+are the drafter's context). Without --drafter-endpoint the drafter runs in this process (TP 1);
+with it, the drafter service at that address is used over the tensor transport. Without
+--treebuild-endpoint trees are built in process. The public API listens on 127.0.0.1:50051 unless
+--host/--port say otherwise, with TLS when --tls-cert and --tls-key are given.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+
+DEFAULT_PORT = 50051
+
+
+def add_serve_parser(serve_subparsers) -> argparse.ArgumentParser:
+    p = serve_subparsers.add_parser(
+        "verify", help="the target model, decode engine and public Generation API",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_verify_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_verify_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("models")
+    m.add_argument("--target", required=True, help="target checkpoint directory (HF deepseek_v3 / kimi_k2 / kimi_k25)")
+    m.add_argument("--drafter", default=None, help="DFlash drafter checkpoint directory (none: ar only)")
+    m.add_argument("--drafter-endpoint", default=None, help="HOST:PORT of a drafter service (default: in process)")
+    m.add_argument("--treebuild-endpoint", default=None, help="HOST:PORT of a tree-build sidecar (default: in process)")
+    m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one per GPU (default 1)")
+    m.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
+    m.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32")
+    m.add_argument("--tree-backend", default="auto", help="in-process tree build: auto, cuda, cpu or reference")
+    n = p.add_argument_group("network")
+    n.add_argument("--host", default="127.0.0.1", help="public API address (default 127.0.0.1)")
+    n.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"public API port (default {DEFAULT_PORT}; 0 = any)")
+    n.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
+    n.add_argument("--tls-key", default=None, help="PEM private key")
+    s = p.add_argument_group("scheduling")
+    s.add_argument("--max-running", type=int, default=16, help="requests decoded together (default 16)")
+    s.add_argument("--max-queue", type=int, default=64, help="waiting requests before RESOURCE_EXHAUSTED (default 64)")
+    s.add_argument("--num-pages", type=int, default=2048, help="KV cache pages (default 2048)")
+    s.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
+    s.add_argument("--max-context", type=int, default=None, help="prompt + generated tokens (default: the model's)")
+    s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted (default 4096)")
+    s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when the client gives 0")
+    s.add_argument("--tokens-per-step", type=int, default=512, help="budget policy: verify tokens per step")
+    s.add_argument("--min-budget", type=int, default=4, help="budget policy: smallest per-request budget")
+    s.add_argument("--max-budget", type=int, default=256, help="largest tree budget (policy and clients)")
+    s.add_argument("--max-top-k", type=int, default=64, help="K of the drafter's top-k (capped by the budget)")
+
+
+def engine_config(args):
+    from ddtree.engine.budget import BudgetPolicy
+    from ddtree.engine.engine import EngineConfig
+    from ddtree.engine.scheduler import SchedulerConfig
+
+    return EngineConfig(
+        scheduler=SchedulerConfig(max_running=args.max_running, max_queue=args.max_queue,
+                                  num_pages=args.num_pages, page_size=args.page_size),
+        budget=BudgetPolicy(tokens_per_step=args.tokens_per_step, min_budget=min(args.min_budget, args.max_budget),
+                            max_budget=args.max_budget),
+        max_tokens_limit=args.max_tokens_limit, default_max_tokens=min(args.default_max_tokens, args.max_tokens_limit),
+        max_top_k=args.max_top_k)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddtree.logs import setup_logging
+    from ddtree.telemetry import setup_tracing
+
+    log = setup_logging("verify")
+    provider = setup_tracing("verify")
+    try:
+        return serve(args, provider, log)
+    except (ValueError, OSError) as exc:  # bad flags, checkpoints, ports: one clear line, exit 2
+        log.error("verify: %s", exc)
+        return 2
+
+
+def serve(args, provider, log: logging.Logger) -> int:
+    import torch.distributed as dist
+
+    from ddtree.engine.loader import ModelSetup, build_local_engine, feature_layers, load_target, resolve_device
+    from ddtree.serving import GrpcServer, ServerConfig
+    from ddtree.v1 import generation_pb2_grpc
+    from ddtree.verify.ranks import RankArgs, RankSupervisor, free_port, init_distributed, rank_device
+    from ddtree.verify.servicer import GenerationServicer
+
+    if args.tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    if args.drafter_endpoint and not args.drafter:
+        raise ValueError("--drafter-endpoint needs --drafter DIR (the drafter's config decides the target features)")
+    if args.drafter and args.tp > 1 and not args.drafter_endpoint:
+        raise ValueError("with --tp > 1 the drafter runs as its own service: pass --drafter-endpoint")
+    device = resolve_device(args.device)
+    setup = ModelSetup(target=args.target, drafter=None if args.drafter_endpoint else args.drafter,
+                       drafter_layer_ids=(), device=rank_device(device, 0), dtype=args.dtype,
+                       max_context=args.max_context, tree_backend=args.tree_backend)
+    if args.drafter_endpoint:
+        setup = ModelSetup(**{**setup.__dict__, "drafter_layer_ids": feature_layers(ModelSetup(args.target, args.drafter))})
+    config = engine_config(args)
+
+    supervisor, group = None, None
+    if args.tp > 1:
+        rank_args = RankArgs(world=args.tp, port=free_port(), target=args.target, device=device, dtype=args.dtype,
+                             feature_layers=feature_layers(setup))
+        supervisor = RankSupervisor(rank_args, env=dict(os.environ))
+        init_distributed(0, args.tp, rank_args.port, rank_device(device, 0))
+        group = dist.group.WORLD
+    target = load_target(setup, config, process_group=group)
+
+    drafter = tree = None
+    transport = None
+    if args.drafter_endpoint or args.treebuild_endpoint:
+        from ddtree.engine.remote import RemoteDrafter, RemoteTree, verify_transport
+
+        transport = verify_transport(target, config)
+        if args.drafter_endpoint:
+            drafter = RemoteDrafter(args.drafter_endpoint, transport, drafter_dir=args.drafter,
+                                    feature_width=target.feature_width, max_items=config.scheduler.max_running)
+        if args.treebuild_endpoint:
+            tree = RemoteTree(args.treebuild_endpoint, transport, max_batch=config.scheduler.max_running,
+                              max_budget=config.budget.max_budget, draft_len=drafter.block_size - 1 if drafter else 32)
+    engine = build_local_engine(setup, config, target=target, drafter=drafter, tree=tree, tracer=None)
+    block_size = engine.drafter.block_size if engine.drafter is not None else 0
+    drafter_name = os.path.basename(os.path.normpath(args.drafter)) if args.drafter else ""
+
+    server = GrpcServer(ServerConfig(name="verify", host=args.host, port=args.port, tls_cert=args.tls_cert,
+                                     tls_key=args.tls_key), provider)
+    server.add(generation_pb2_grpc.add_GenerationServicer_to_server,
+               GenerationServicer(engine, drafter_name=drafter_name, block_size=block_size), "ddtree.v1.Generation")
+    port = server.start()
+    engine.start()
+    exit_code = [0]
+    if supervisor is not None:
+        def on_rank_death(message: str) -> None:
+            # The engine may be blocked in a collective with the dead rank: never wait for it.
+            server.set_serving(False)
+            killer = threading.Timer(5.0, os._exit, args=(1,))
+            killer.daemon = True
+            killer.start()
+            server.stop(1.0)
+            log.error("verify stopped: %s", message)
+            os._exit(1)
+        supervisor.watch(on_rank_death)
+    server.install_signal_handlers(on_stop=engine.stop)
+    server.set_serving(True)
+    log.info("verify serving on %s:%d: target %s (tp %d), modes %s", args.host, port, target.name, target.tp_size,
+             [m.value for m in engine.modes], extra={"port": port, "tp": target.tp_size})
+    print(f"verify listening on {args.host}:{port}", flush=True)
+    server.wait()
+    engine.stop()
+    if engine.fatal is not None:
+        exit_code[0] = exit_code[0] or 1
+    for backend in (drafter, tree):
+        if backend is not None:
+            backend.close()
+    if transport is not None:
+        transport.close()
+    if supervisor is not None:
+        if exit_code[0] == 0:
+            target.model.stop_followers()
+        supervisor.stop()
+    return exit_code[0]
