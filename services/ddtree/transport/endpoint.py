@@ -174,7 +174,7 @@ class Transport:
             why = "it is on another host" if not same_host else f"it does not accept {kind_name(self.kind)}"
             reason = f"outputs sent inline to {request.peer_id!r}: {why}"
             log.warning("transport: %s", reason, extra={"peer": request.peer_id})
-        self.import_peer(request.peer_id, request.regions, inline=inline)
+        self.import_peer(request.peer_id, request.regions, inline=inline, peer_host=request.host_id)
         span = trace.get_current_span()
         span.set_attribute("ddtree.transport.peer", request.peer_id)
         span.set_attribute("ddtree.transport.kind", kind_name(INLINE if inline else self.kind))
@@ -183,17 +183,19 @@ class Transport:
         return transport_pb2.AttachReply(peer_id=self.peer_id, regions=self.handles(inline=inline),
                                          kind=INLINE if inline else self.kind, fallback_reason=reason)
 
-    def import_peer(self, peer_id: str, handles, inline: bool = False) -> None:
-        """Maps every region a peer exports (once), namespaced by its peer id."""
+    def import_peer(self, peer_id: str, handles, inline: bool = False, peer_host: str | None = None) -> None:
+        """Maps every region a peer exports (once), namespaced by its peer id. `inline`: our
+        outputs reach this peer inline. `peer_host`: the host the peer says it runs on."""
         mine = host_id()
         imported: dict[str, ImportedRegion] = {}
         pid = 0
         try:
             for h in handles:
-                if h.kind != INLINE and h.host_id != mine:
+                foreign = h.host_id if h.host_id != mine else peer_host if peer_host not in (None, mine) else None
+                if h.kind != INLINE and foreign is not None:
                     raise BadRegionHandle(
                         f"region {h.name!r} of peer {peer_id!r} is a {kind_name(h.kind)} handle from host "
-                        f"{h.host_id!r}, this is {mine!r}: handles from another host are refused (attach inline)")
+                        f"{foreign!r}, this is {mine!r}: handles from another host are refused (attach inline)")
                 if h.name in imported:
                     raise BadRegionHandle(f"peer {peer_id!r} exports region {h.name!r} twice")
                 imported[h.name] = ImportedRegion(peer_id, h, self.device)

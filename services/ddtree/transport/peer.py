@@ -48,7 +48,14 @@ class PeerLink:
         accepted = [INLINE] if inline else [t.kind, INLINE]
         request = transport_pb2.AttachRequest(peer_id=t.peer_id, token=t.token, regions=t.handles(inline=inline),
                                               host_id=host_id(), accepted_kinds=accepted)
-        reply = self._attach(request, timeout=timeout, metadata=self.metadata)
+        try:
+            reply = self._attach(request, timeout=timeout, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            if inline or exc.code() != grpc.StatusCode.INVALID_ARGUMENT or "another host" not in (exc.details() or ""):
+                raise
+            log.warning("transport: server is on another host (%s); attaching inline", exc.details())
+            trace.get_current_span().set_attribute("ddtree.transport.fallback_reason", "server on another host")
+            return self.attach(timeout=timeout, inline=True)
         t.import_peer(reply.peer_id, reply.regions, inline=inline or reply.kind == INLINE)
         self.server_id, self.kind, self.fallback_reason = reply.peer_id, reply.kind, reply.fallback_reason
         span = trace.get_current_span()

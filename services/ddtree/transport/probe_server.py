@@ -36,14 +36,20 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.logs import setup_logging
     from ddtree.serving import GrpcServer, ServerConfig
     from ddtree.telemetry import setup_tracing
-    from ddtree.transport import Transport, TransportConfig, add_transport_service, kind_name
+    from ddtree.transport import Transport, TransportConfig, TransportUnavailable, add_transport_service, kind_name
 
-    setup_logging("transport-probe")
+    log = setup_logging("transport-probe")
     provider = setup_tracing("transport-probe")
     config = TransportConfig(peer_id=args.peer_id, kind=args.kind, device=args.device,
                              fallback=tuple(k for k in args.fallback.split(",") if k),
                              probe_slot_bytes=args.probe_slot_bytes, reap_interval_s=args.reap_interval)
-    transport = Transport(config)
+    try:
+        transport = Transport(config)
+    except TransportUnavailable as exc:
+        log.error("%s", exc)
+        from ddtree.telemetry import shutdown_tracing
+        shutdown_tracing(provider)
+        return 1
     server = GrpcServer(ServerConfig(name="transport-probe", host=args.host, port=args.port), provider)
     add_transport_service(server, transport)
     port = server.start()
