@@ -30,15 +30,16 @@ PLANS = {generation_pb2.MODE_AR: (1,), generation_pb2.MODE_CHAIN: (2, 1), genera
 
 
 def plan_of(mode: int, max_tokens: int) -> list[int]:
-    """Chunk sizes the scripted server sends for a request."""
+    """Tokens per decode step the scripted server sends after the prefill's one token."""
     sizes, pattern = [], PLANS.get(mode, (1,))
-    while sum(sizes) < max_tokens:
-        sizes.append(min(pattern[len(sizes) % len(pattern)], max_tokens - sum(sizes)))
+    while sum(sizes) < max_tokens - 1:
+        sizes.append(min(pattern[len(sizes) % len(pattern)], max_tokens - 1 - sum(sizes)))
     return sizes
 
 
 class ScriptedGeneration(generation_pb2_grpc.GenerationServicer):
-    """Streams letters in chunks of a fixed per-mode plan, one chunk every `delay_s`."""
+    """Streams letters like the engine: the prefill's token, then one chunk per step of a fixed
+    per-mode plan, one chunk every `delay_s`."""
 
     def __init__(self, delay_s: float = 0.003):
         self.delay_s = delay_s
@@ -58,16 +59,16 @@ class ScriptedGeneration(generation_pb2_grpc.GenerationServicer):
         try:
             sizes = plan_of(request.speculation.mode, request.sampling.max_tokens)
             emitted = 0
-            for k in sizes:
+            for k in [1, *sizes]:
                 time.sleep(self.delay_s)
                 ids = [ord(ALPHABET[(emitted + j) % 26]) for j in range(k)]
                 emitted += k
                 yield generation_pb2.GenerateChunk(token_ids=ids, text="".join(map(chr, ids)), accepted_length=k)
             yield generation_pb2.GenerateChunk(usage=generation_pb2.Usage(
                 prompt_tokens=len(request.text), completion_tokens=emitted, steps=len(sizes),
-                target_forwards=len(sizes) + 1, mean_acceptance_length=emitted / len(sizes),
+                target_forwards=len(sizes) + 1, mean_acceptance_length=(emitted - 1) / len(sizes),
                 finish_reason=generation_pb2.FINISH_REASON_LENGTH, ttft_ms=self.delay_s * 1e3,
-                mode=request.speculation.mode))
+                mode=request.speculation.mode))  # mean over steps: the prefill is not a step
         finally:
             with self._lock:
                 self.in_flight -= 1
@@ -93,7 +94,7 @@ def test_chunk_timing_math():
     assert rec.tpot_s == pytest.approx(0.15 / 5)
     assert rec.inter_chunk_s == pytest.approx([0.05, 0.1])
     assert rec.itl_per_token_s == pytest.approx([0.05 / 3] * 3 + [0.1])     # per token, apart from chunks
-    assert rec.accepted_lengths == [2, 3, 1]
+    assert rec.accepted_lengths == [3, 1]                                     # the first chunk is the prefill
     other = RequestRecord(start=0.0, end=0.5, token_ids=[7], chunks=[Chunk(0.2, 1, 1), Chunk(0.5, 0, 0)],
                           usage=generation_pb2.Usage(completion_tokens=1, target_forwards=2))
     failed = RequestRecord(start=0.0, end=0.1, error="UNAVAILABLE: down")
@@ -104,15 +105,15 @@ def test_chunk_timing_math():
     assert level.latency_ms["ttft"]["p90"] == pytest.approx(np.percentile([100.0, 200.0], 90))
     assert level.latency_ms["e2e"]["p50"] == pytest.approx(380.0)
     assert level.latency_ms["tpot"]["p99"] == pytest.approx(30.0)           # `other` has one token: no TPOT
-    assert level.acceptance_hist == {1: 2, 2: 1, 3: 1}
-    assert level.mean_acceptance_length == pytest.approx(7 / 4)
+    assert level.acceptance_hist == {1: 1, 3: 1}
+    assert level.mean_acceptance_length == pytest.approx(2.0)
     assert level.target_forwards_per_token == pytest.approx(6 / 7)
     ar = summarize_level("ar", 2, None, [other], wall_s=0.5)
     sped = with_speedups([level, ar])
     assert sped[0].speedup_vs_ar == pytest.approx((7 / 0.7) / (1 / 0.5)) and sped[1].speedup_vs_ar == pytest.approx(1.0)
     header, row, _ = to_csv(sped[:1]).split("\n")
     parsed = dict(zip(header.split(","), next(csv.reader(io.StringIO(row)))))
-    assert float(parsed["ttft_p90_ms"]) == pytest.approx(190.0) and parsed["acceptance_hist"] == "1:2;2:1;3:1"
+    assert float(parsed["ttft_p90_ms"]) == pytest.approx(190.0) and parsed["acceptance_hist"] == "1:1;3:1"
 
 
 def test_build_request_and_bad_options():
@@ -147,7 +148,12 @@ def test_generate_streams_text_to_stdout_and_stats_to_stderr(scripted, capsys):
     assert cli.main(["generate", "hello", "--target", scripted.target, "--max-tokens", "6", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["text"] == ALPHABET[:6] and doc["tokens"] == doc["completion_tokens"] == 6
-    assert doc["chunks"] == len(plan_of(generation_pb2.MODE_DDTREE, 6)) and doc["ttft_ms"] <= doc["e2e_ms"]
+    assert doc["chunks"] == 1 + len(plan_of(generation_pb2.MODE_DDTREE, 6)) and doc["ttft_ms"] <= doc["e2e_ms"]
+
+    assert cli.main(["generate", "--token-ids", "3,1,2", "--target", scripted.target, "--max-tokens", "2"]) == 0
+    assert list(scripted.requests[-1].token_ids.ids) == [3, 1, 2] and capsys.readouterr().out == "ab\n"
+    assert cli.main(["generate", "both", "--token-ids", "1", "--target", scripted.target]) == 2
+    assert "give a PROMPT or --token-ids" in capsys.readouterr().err
 
 
 def test_generate_reports_server_errors_and_unreachable_targets(scripted, capsys):
@@ -192,7 +198,7 @@ def test_loadtest_sweep_table_json_csv(scripted, tmp_path, capsys):
         assert (lv["requests"], lv["errors"], lv["tokens"]) == (8, 0, 8 * 12)           # tokens add up
         assert lv["agg_tok_s"] == pytest.approx(lv["tokens"] / lv["wall_s"])             # tok/s = tokens / wall
         assert lv["acceptance_hist"] == {str(k): 8 * sizes.count(k) for k in sorted(set(sizes))}
-        assert lv["mean_acceptance_length"] == pytest.approx(12 / len(sizes))
+        assert lv["mean_acceptance_length"] == pytest.approx(11 / len(sizes))
         assert lv["target_forwards_per_token"] == pytest.approx((len(sizes) + 1) / 12)
         assert lv["speedup_vs_ar"] == pytest.approx(lv["agg_tok_s"] / by_key[("ar", lv["concurrency"])]["agg_tok_s"])
         lat = lv["latency_ms"]
@@ -222,13 +228,13 @@ def test_loadtest_poisson_arrivals_follow_the_seeded_gaps(scripted):
 
 def test_loadtest_errors_are_counted_and_reported(scripted, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "ok"}\nfail\n')
-    rc = cli.main(["loadtest", "--target", scripted.target, "--concurrency", "2", "--num-requests", "4",
+    prompts.write_text('{"prompt": "ok"}\nfail\n{"token_ids": [5, 6]}\n')
+    rc = cli.main(["loadtest", "--target", scripted.target, "--concurrency", "2", "--num-requests", "6",
                    "--max-tokens", "3", "--prompts", str(prompts), "--warmup", "0", "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 1
     assert "INVALID_ARGUMENT: prompt 'fail' is rejected" in out
-    assert load_prompts(str(prompts)) == ["ok", "fail"] and len(BUILTIN_PROMPTS) >= 20
+    assert load_prompts(str(prompts)) == ["ok", "fail", [5, 6]] and len(BUILTIN_PROMPTS) >= 20
     (tmp_path / "bad.jsonl").write_text('{"text": 3}\n')
     with pytest.raises(ValueError, match='needs a non-empty "prompt"'):
         load_prompts(str(tmp_path / "bad.jsonl"))

@@ -74,7 +74,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from ddtree.v1 import generation_pb2_grpc
     from ddtree_client.generate import build_request, record_summary, stream_generate
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if (args.prompt is None) == (args.token_ids is None):
+        print("ddtree-client generate: give a PROMPT or --token-ids (one of them)", file=sys.stderr)
+        return 2
+    prompt = args.token_ids if args.token_ids is not None else sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
         request = build_request(prompt, _options(args, args.mode))
     except ValueError as exc:
@@ -143,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="stream one generation to stdout",
                        description="Streams one generation: text on stdout, statistics on stderr "
                                    "(or one JSON object with --json). Exit 1 when the server fails it.")
-    p.add_argument("prompt", metavar="PROMPT", help='prompt text ("-" reads stdin)')
+    p.add_argument("prompt", metavar="PROMPT", nargs="?", help='prompt text ("-" reads stdin)')
+    p.add_argument("--token-ids", type=_csv_list(int), default=None, metavar="IDS",
+                   help="pre-tokenized prompt instead of PROMPT, comma-separated ids")
     _add_target(p, timeout_s=600.0)
     _add_sampling(p)
     p.add_argument("--json", action="store_true", help="print text and statistics as one JSON object")
@@ -162,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: closed loop)")
     p.add_argument("--num-requests", type=int, default=None, help="requests per level (default max(8, 4 x conc))")
     p.add_argument("--prompts", default=None, metavar="FILE",
-                   help='prompts, one per line or JSON lines with "prompt" (default: the built-in set)')
+                   help='prompts, one per line, or JSON lines with "prompt" or "token_ids" (default: the built-in set)')
     p.add_argument("--warmup", type=int, default=1, help="uncounted requests before the sweep (default 1)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every level as JSON")
     p.add_argument("--csv", default=None, metavar="FILE", help="write one CSV row per level")

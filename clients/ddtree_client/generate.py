@@ -121,7 +121,8 @@ class RequestRecord:
 
     @property
     def accepted_lengths(self) -> list[int]:
-        return [c.accepted_length for c in self._token_chunks if c.accepted_length > 0]
+        """Tokens committed per decode step: every token chunk but the first (the prefill's)."""
+        return [c.accepted_length for c in self._token_chunks[1:] if c.accepted_length > 0]
 
 
 def stream_generate(

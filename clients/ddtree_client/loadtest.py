@@ -28,7 +28,7 @@ import numpy as np
 from ddtree.v1 import generation_pb2_grpc
 from ddtree_client.channel import DEFAULT_TARGET, open_channel
 from ddtree_client.generate import GenerateOptions, RequestRecord, build_request, stream_generate
-from ddtree_client.prompts import BUILTIN_PROMPTS
+from ddtree_client.prompts import BUILTIN_PROMPTS, Prompt
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "tpot", "itl", "inter_chunk", "e2e")
@@ -42,7 +42,7 @@ class LoadTestConfig:
     rate: float | None = None                 # requests/s (Poisson); None: closed loop
     num_requests: int | None = None           # per level; None: max(8, 4 x concurrency)
     options: GenerateOptions = GenerateOptions()
-    prompts: tuple[str, ...] = BUILTIN_PROMPTS
+    prompts: tuple[Prompt, ...] = BUILTIN_PROMPTS
     warmup: int = 0                           # requests sent one by one before the sweep, not counted
     timeout_s: float = 600.0
     tls_ca: str | None = None

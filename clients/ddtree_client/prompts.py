@@ -37,8 +37,11 @@ BUILTIN_PROMPTS: tuple[str, ...] = (
 )
 
 
-def load_prompts(path: str) -> list[str]:
-    """One prompt per line; JSON-lines objects use their "prompt" (or "text") field."""
+Prompt = str | list[int]   # text, or token ids the server takes as they are
+
+
+def load_prompts(path: str) -> list[Prompt]:
+    """One prompt per line; JSON lines give "prompt" (or "text") or pre-tokenized "token_ids"."""
     try:
         with open(path, encoding="utf-8") as fh:
             lines = [line.rstrip("\n") for line in fh]
@@ -53,9 +56,15 @@ def load_prompts(path: str) -> list[str]:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
-            text = obj.get("prompt", obj.get("text"))
+            ids = obj.get("token_ids") if isinstance(obj, dict) else None
+            if ids is not None:
+                if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+                    raise ValueError(f'{path}:{lineno}: "token_ids" must be a non-empty list of ids >= 0')
+                prompts.append(ids)
+                continue
+            text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
             if not isinstance(text, str) or not text:
-                raise ValueError(f'{path}:{lineno}: a JSON line needs a non-empty "prompt" string')
+                raise ValueError(f'{path}:{lineno}: a JSON line needs a non-empty "prompt" string or "token_ids"')
             prompts.append(text)
         else:
             prompts.append(line)
