@@ -77,7 +77,9 @@ class ShmMemory(Memory):
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, nbytes)
+                # fallocate, not ftruncate: a full /dev/shm fails here with ENOSPC instead of
+                # SIGBUS at the first write into the mapping
+                os.posix_fallocate(fd, 0, nbytes)
             elif os.fstat(fd).st_size < nbytes:
                 raise BadRegionHandle(
                     f"shm segment {name!r} has {os.fstat(fd).st_size} bytes, handle says {nbytes}")
@@ -133,14 +135,18 @@ class _CudaArray:
         self.__cuda_array_interface__ = {
             "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2, "strides": None,
         }
-        weakref.finalize(self, _in_context, ordinal, close, ptr)
+        # not at interpreter exit: the process's allocations and mappings end with it anyway
+        weakref.finalize(self, _in_context, ordinal, close, ptr).atexit = False
 
 
 def _in_context(ordinal: int, fn, ptr: int) -> None:
-    from ddtree.transport.cuda_driver import driver
-    d = driver()
-    with d.context(ordinal):
-        fn(ptr)
+    from ddtree.transport.cuda_driver import CudaDriverError, driver
+    try:
+        with driver().context(ordinal):
+            fn(ptr)
+    except CudaDriverError as exc:  # a finalizer must not raise; report and move on
+        import logging
+        logging.getLogger(__name__).warning("transport: releasing CUDA memory failed: %s", exc)
 
 
 class CudaIpcMemory(Memory):
@@ -166,9 +172,13 @@ class CudaIpcMemory(Memory):
                 try:
                     with d.context(ordinal):
                         ptr = d.ipc_open(handle)
-                        size = d.allocation_size(ptr)
                 except CudaDriverError as exc:
                     raise BadRegionHandle(f"cannot open CUDA IPC handle: {exc}") from None
+                try:  # the real allocation size, to check the peer's claim
+                    with d.context(ordinal):
+                        size = d.allocation_size(ptr)
+                except CudaDriverError:
+                    size = nbytes
                 array = _CudaArray(ptr, size, ordinal, d.ipc_close)
                 self._opened[handle] = array
             size = array.__cuda_array_interface__["shape"][0]

@@ -1,0 +1,82 @@
+"""ddtree.transport over CUDA IPC between two processes (needs a GPU; run on the H200).
+
+Producer and consumer write and read on side streams, behind a `torch.cuda._sleep` so the
+per-slot interprocess events are what orders the reads: without them the server would read the
+poison left in the slot, not the fresh data.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+
+from ddtree.grpc_options import channel_options
+from ddtree.transport import CUDA_IPC, PeerLink, Transport, TransportConfig, checksum
+from ddtree.v1 import transport_pb2
+
+pytestmark = pytest.mark.cuda
+SLEEP_CYCLES = 2_000_000     # ~1 ms on an H200: the write lands well after the RPC is sent
+
+
+@pytest.fixture(scope="module")
+def link():
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False")
+    server = subprocess.Popen([sys.executable, "-m", "ddtree.transport.probe_server", "--kind", "cuda_ipc",
+                               "--device", "cuda:0", "--probe-slot-bytes", str(1 << 20)],
+                              stdout=subprocess.PIPE, text=True, env=env)
+    info = json.loads(server.stdout.readline())
+    assert info["kind"] == "cuda_ipc" and not info["fallback_reason"]
+    transport = Transport(TransportConfig(peer_id="cuda-client", kind="cuda_ipc", device="cuda:0",
+                                          probe_slot_bytes=1 << 20))
+    assert transport.kind == CUDA_IPC
+    channel = grpc.insecure_channel(f"127.0.0.1:{info['port']}", options=channel_options())
+    peer = PeerLink(transport, channel)
+    assert peer.attach().kind == CUDA_IPC
+    peer.self_test()
+    yield peer
+    peer.detach()
+    transport.close()
+    channel.close()
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(60) == 0
+
+
+def test_thousand_steps_on_side_streams_ordered_by_slot_events(link):
+    device = torch.device("cuda:0")
+    producer, consumer = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    probe = link.transport.probe
+    gen = torch.Generator(device).manual_seed(5)
+    for step in range(1000):
+        slot = step % probe.slot_count
+        n = 1 + step % 4096
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(SLEEP_CYCLES if step % 10 == 0 else SLEEP_CYCLES // 20)
+            data = torch.randint(-(1 << 31), 1 << 31, (n,), dtype=torch.int32, device=device, generator=gen)
+            ref = probe.put(slot, data)
+            probe.record(slot)                      # the server's stream waits on this
+            expected = data.clone()
+        reply = link.stub.Probe(transport_pb2.ProbeRequest(step_id=step, input=ref, echo=True),
+                                metadata=link.metadata, timeout=30)
+        with torch.cuda.stream(consumer):
+            echoed = link.resolve(reply.output)     # our consumer stream waits on the server's slot event
+            consumer.wait_stream(producer)
+            assert torch.equal(echoed, expected), f"step {step}: echo differs"
+        assert reply.checksum == checksum(expected), f"step {step}: server read before the write landed"
+        with torch.cuda.stream(producer):
+            probe.view(slot, torch.uint8, (probe.slot_bytes,)).fill_(0xA5)   # poison the reused slot
+
+
+def test_refs_are_tiny_and_status_counts_references(link):
+    region = link.transport.region("transport/probe")
+    ref = region.ref(0, region.view(0, torch.bfloat16, (64, 16, 6 * 7168 // 64)))
+    assert ref.ByteSize() < 512
+    status = link.stub.Status(transport_pb2.TransportStatusRequest(), timeout=10)
+    by_name = {r.name: r for r in status.regions}
+    assert by_name["cuda-client/transport/probe"].kind == CUDA_IPC
+    assert by_name["transport/probe"].ref_count == 1

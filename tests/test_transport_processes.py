@@ -1,0 +1,276 @@
+"""ddtree.transport across real processes over a real gRPC server (shm; no GPU needed).
+
+The server is `python -m ddtree.transport.probe_server` on port 0; this test process is the
+client. Another client process is SIGKILLed mid-run to check the server survives and reaps it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from ddtree.grpc_options import channel_options
+from ddtree.transport import SHM, PeerLink, Transport, TransportConfig, checksum
+from ddtree.v1 import tensor_pb2, transport_pb2
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8, torch.bool,
+          torch.uint64]
+
+
+def _segments_of(*pids: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm")
+            if n.startswith("ddtree-") and any(f"-{pid}-" in n for pid in pids)]
+
+
+def _start_server(env, *args, log_path=None):
+    stderr = open(log_path, "w") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen([sys.executable, "-m", "ddtree.transport.probe_server", *args], stdout=subprocess.PIPE,
+                            stderr=stderr, text=True, env=env)
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(30)
+        raise AssertionError(f"probe server exited with {proc.returncode}")
+    return proc, json.loads(line)
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DDTREE_TRANSPORT_TOKEN="tok")
+    log_path = tmp_path_factory.mktemp("transport") / "server.log"
+    proc, info = _start_server(env, "--kind", "shm", "--reap-interval", "0.2", "--probe-slot-bytes", str(1 << 16),
+                               log_path=log_path)
+    yield proc, info, log_path
+    if proc.poll() is None:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def link(server):
+    _, info, _ = server
+    transport = Transport(TransportConfig(peer_id=f"client-{os.getpid()}", kind="shm", token="tok"))
+    channel = grpc.insecure_channel(f"127.0.0.1:{info['port']}", options=channel_options())
+    peer = PeerLink(transport, channel)
+    reply = peer.attach()
+    assert reply.kind == SHM and not reply.fallback_reason
+    peer.self_test()
+    yield peer
+    peer.detach()
+    transport.close()
+    channel.close()
+
+
+def _random_tensor(gen: torch.Generator, max_bytes: int) -> torch.Tensor:
+    dtype = DTYPES[int(torch.randint(len(DTYPES), (1,), generator=gen))]
+    ndim = int(torch.randint(1, 4, (1,), generator=gen))
+    shape = [int(torch.randint(1, 24, (1,), generator=gen)) for _ in range(ndim)]
+    while torch.Size(shape).numel() * dtype.itemsize > max_bytes:
+        shape[0] = max(1, shape[0] // 2)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    raw = torch.randint(0, 256, (torch.Size(shape).numel() * dtype.itemsize,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(shape)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _step(link: PeerLink, gen: torch.Generator, step: int, send=None) -> None:
+    """Fresh data into a reused slot -> server reads + echoes into its slot -> compare -> poison both."""
+    probe = link.transport.probe
+    slot = step % probe.slot_count
+    data = _random_tensor(gen, probe.slot_bytes)
+    ref = probe.put(slot, data)
+    request = transport_pb2.ProbeRequest(step_id=step, input=ref, echo=True)
+    reply = send(request) if send else link.stub.Probe(request, metadata=link.metadata, timeout=30)
+    assert reply.step_id == step
+    assert reply.checksum == checksum(data), f"step {step}: server read stale or torn data"
+    echoed = link.resolve(reply.output)
+    assert echoed.dtype == data.dtype and echoed.shape == data.shape
+    assert torch.equal(_bytes(echoed), _bytes(data)), f"step {step}: echo differs"
+    _bytes(probe.view(slot, torch.uint8, (probe.slot_bytes,))).fill_(0xA5)   # poison our slot
+    _bytes(echoed).fill_(0x5A)                                               # and the server's
+
+
+def test_thousand_steps_with_slot_reuse_and_poisoning(link):
+    gen = torch.Generator().manual_seed(1234)
+    for step in range(1000):
+        _step(link, gen, step)
+
+
+def test_bidi_stream_carries_the_same_steps(link):
+    gen = torch.Generator().manual_seed(99)
+    requests: list = []
+    cond = threading.Condition()
+
+    def feed():
+        i = 0
+        while True:
+            with cond:
+                cond.wait_for(lambda: len(requests) > i)
+                item = requests[i]
+            if item is None:
+                return
+            yield item
+            i += 1
+
+    replies = link.stub.ProbeStream(feed(), metadata=link.metadata)
+
+    def send(request):
+        with cond:
+            requests.append(request)
+            cond.notify()
+        return next(replies)
+
+    for step in range(200):
+        _step(link, gen, step, send)
+    with cond:
+        requests.append(None)
+        cond.notify()
+
+
+def _expect(code, match, fn, *args, **kw):
+    with pytest.raises(grpc.RpcError) as err:
+        fn(*args, **kw)
+    assert err.value.code() == code, err.value.details()
+    assert match in err.value.details()
+
+
+BAD = [
+    (dict(region="nope"), "unknown region 'nope'"),
+    (dict(slot=4), "slot 4 out of range [0, 4)"),
+    (dict(offset=1 << 16), "offset 65536 out of range"),
+    (dict(offset=2), "not aligned to torch.float32"),
+    (dict(dtype=77), "unsupported dtype 77"),
+    (dict(shape=[-3, 2]), "negative dim -3"),
+    (dict(shape=[1 << 40, 0]), "absurd dim 1099511627776"),
+    (dict(shape=[2] * 9), "9 dims, at most 8"),
+    (dict(shape=[16385]), "does not fit at offset 0"),
+    (dict(inline_data=b"xxxx"), "inline_data sent for a shm region"),
+]
+
+
+def test_every_bad_descriptor_gets_invalid_argument_and_the_server_keeps_serving(server, link):
+    good = link.transport.probe.put(0, torch.arange(16, dtype=torch.float32))
+    for fields, message in BAD:
+        ref = tensor_pb2.TensorRef()
+        ref.CopyFrom(good)
+        for key, value in fields.items():
+            if key == "shape":
+                del ref.shape[:]
+                ref.shape.extend(value)
+            else:
+                setattr(ref, key, value)
+        _expect(grpc.StatusCode.INVALID_ARGUMENT, message, link.stub.Probe,
+                transport_pb2.ProbeRequest(input=ref), metadata=link.metadata, timeout=10)
+    _expect(grpc.StatusCode.FAILED_PRECONDITION, "missing 'ddtree-peer-id'", link.stub.Probe,
+            transport_pb2.ProbeRequest(), timeout=10)
+    _expect(grpc.StatusCode.FAILED_PRECONDITION, "peer 'ghost' is not attached", link.stub.Probe,
+            transport_pb2.ProbeRequest(), metadata=(("ddtree-peer-id", "ghost"),), timeout=10)
+    bad_token = transport_pb2.AttachRequest(peer_id="intruder", token="nope", host_id=link.transport.handles()[0].host_id)
+    _expect(grpc.StatusCode.PERMISSION_DENIED, "wrong or missing transport token", link._attach, bad_token, timeout=10)
+    bad_handle = transport_pb2.AttachRequest(peer_id="intruder", token="tok", host_id=bad_token.host_id,
+                                             regions=[tensor_pb2.RegionHandle(name="x", kind=SHM, handle=b"/etc/passwd",
+                                                                              host_id=bad_token.host_id, slot_count=1,
+                                                                              slot_bytes=8, byte_size=8)])
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "invalid shm segment name '/etc/passwd'", link._attach, bad_handle,
+            timeout=10)
+    _expect(grpc.StatusCode.PERMISSION_DENIED, "token", link.stub.Detach,
+            transport_pb2.DetachRequest(peer_id=link.transport.peer_id, token="nope"), timeout=10)
+    reply = link.probe(good)                                  # still serving, still attached
+    assert reply.checksum == checksum(torch.arange(16, dtype=torch.float32))
+    assert "Traceback" not in server[2].read_text()
+
+
+CHILD = textwrap.dedent("""
+    import os, sys, grpc, torch
+    from ddtree.grpc_options import channel_options
+    from ddtree.transport import PeerLink, Transport, TransportConfig
+    t = Transport(TransportConfig(peer_id="doomed", kind="shm", token="tok"))
+    t.create_region("doomed/extra", 2, 1 << 16)
+    link = PeerLink(t, grpc.insecure_channel("127.0.0.1:" + sys.argv[1], options=channel_options()))
+    link.attach()
+    step = 0
+    while True:
+        data = torch.randn(256)
+        reply = link.probe(t.probe.put(step % 4, data), echo=True, step_id=step)
+        assert torch.equal(link.resolve(reply.output), data)
+        step += 1
+        if step == 20:
+            print("running", flush=True)
+""")
+
+
+def test_a_peer_killed_mid_run_is_reaped_and_the_server_keeps_serving(server, link):
+    _, info, _ = server
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(info["port"])], stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        assert child.stdout.readline().strip() == "running"
+        assert "doomed" in link.stub.Status(transport_pb2.TransportStatusRequest(), timeout=10).peers
+        assert len(_segments_of(child.pid)) == 2
+        gen = torch.Generator().manual_seed(7)
+        child.send_signal(signal.SIGKILL)                     # mid-run, no cleanup of its own
+        for step in range(50):                                # the survivor keeps being served meanwhile
+            _step(link, gen, step)
+        child.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            status = link.stub.Status(transport_pb2.TransportStatusRequest(), timeout=10)
+            if "doomed" not in status.peers:
+                break
+            time.sleep(0.1)
+        assert list(status.peers) == [link.transport.peer_id]
+        assert not [r for r in status.regions if r.name.startswith("doomed/")]
+        assert _segments_of(child.pid) == []                  # the server unlinked what the dead peer left
+        for step in range(50):
+            _step(link, gen, step)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_status_lists_regions_with_reference_counts(link):
+    status = link.stub.Status(transport_pb2.TransportStatusRequest(), timeout=10)
+    by_name = {r.name: r for r in status.regions}
+    own = by_name["transport/probe"]
+    assert own.owned and own.ref_count == len(status.peers) >= 1 and own.slot_count == 4
+    mine = by_name[f"{link.transport.peer_id}/transport/probe"]
+    assert not mine.owned and mine.ref_count == 1 and mine.byte_size == link.transport.probe.byte_size
+
+
+def test_shutdown_leaves_no_segments(server, link):
+    proc, _, log_path = server
+    link.detach()
+    assert _stop(proc) == 0
+    link.transport.close()
+    assert _segments_of(proc.pid, os.getpid()) == []
+    assert "Traceback" not in log_path.read_text()
+
+
+def test_cuda_ipc_without_a_gpu_fails_loudly_or_falls_back_with_a_trace(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: cuda_ipc would work")
+    # (failing loudly without a fallback is tested in-process in test_transport.py)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    trace_file = tmp_path / "spans.jsonl"
+    proc, info = _start_server(dict(env, DDTREE_TRACE_FILE=str(trace_file)), "--kind", "cuda_ipc", "--fallback", "shm")
+    assert info["kind"] == "shm" and info["fallback_reason"].startswith("cuda_ipc unavailable")
+    assert _stop(proc) == 0
+    spans = trace_file.read_text()
+    assert "transport.self_test" in spans and "ddtree.transport.fallback_reason" in spans
