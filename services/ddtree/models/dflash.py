@@ -160,6 +160,9 @@ class DrafterContextCache:
     def __len__(self) -> int:
         return len(self._length)
 
+    def request_ids(self) -> list[str]:
+        return list(self._length)
+
     @property
     def free_pages(self) -> int:
         return len(self._free)

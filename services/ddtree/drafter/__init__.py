@@ -1,0 +1,1 @@
+"""The drafter service: DFlash drafting over gRPC (servicer, client, `ddtree serve drafter`)."""

@@ -1,0 +1,155 @@
+"""ddtree.v1.Drafter over the DFlash model and the transport: a thin adapter.
+
+Attach: the transport's attach (imports the caller's feature regions, returns our top-k region).
+Draft:  resolve each item's context-feature ref, `draft_topk`, write [B, D, K] log-probs and ids
+        into one slot of our region, record the slot's event, reply with refs + ServerTiming.
+Release: free the requests' context.
+Request ids are namespaced by the calling peer's id, so two engines never share a context.
+Bad input -> INVALID_ARGUMENT naming the problem (nothing changes for any request); a full
+context cache -> RESOURCE_EXHAUSTED; the service keeps serving either way.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+from opentelemetry import trace
+
+from ddtree.models.dflash import ContextCacheFull, DFlashDrafter, DrafterContextCache
+from ddtree.telemetry.spans import DRAFT, GpuTimer
+from ddtree.transport import Transport, TransportError, align, attach, peer_id_of, serve_peer, transport_errors
+from ddtree.v1 import drafter_pb2, drafter_pb2_grpc, tensor_pb2
+
+log = logging.getLogger(__name__)
+
+OUTPUT_REGION = "drafter/topk"
+# Server span attributes (the RPC's SERVER span comes from the tracing interceptor).
+ATTR_STEP = "ddtree.step.id"
+ATTR_BATCH = "ddtree.draft.batch_size"
+ATTR_TOP_K = "ddtree.draft.top_k"
+ATTR_NEW_TOKENS = "ddtree.draft.context_tokens"
+ATTR_GPU_MS = "ddtree.rpc.gpu_ms"
+
+
+@dataclass(frozen=True)
+class DrafterLimits:
+    """Sizes of the output ring: every Draft must fit one slot."""
+
+    max_batch: int = 64        # items per Draft
+    max_top_k: int = 1024      # K per Draft (and <= vocab)
+    slots: int = 4             # ring depth: a slot is rewritten `slots` Drafts later (>= pipeline depth)
+
+    def slot_bytes(self, draft_length: int) -> int:
+        one = self.max_batch * draft_length * self.max_top_k * 4  # float32 and int32 alike
+        return 2 * align(one)
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, model: DFlashDrafter, cache: DrafterContextCache, transport: Transport,
+                 limits: DrafterLimits = DrafterLimits(), tracer: trace.Tracer | None = None):
+        cfg = model.config
+        if limits.max_top_k > cfg.vocab_size:
+            limits = DrafterLimits(limits.max_batch, cfg.vocab_size, limits.slots)
+        self.model, self.cache, self.transport, self.limits = model, cache, transport, limits
+        self.tracer = tracer or trace.get_tracer("ddtree.drafter")
+        self.output = transport.create_region(OUTPUT_REGION, limits.slots, limits.slot_bytes(cfg.draft_length))
+        self.timer = GpuTimer(enabled=model.device.type == "cuda", device=model.device)
+        self._lock = threading.Lock()   # one draft at a time: the model, cache and ring are not shared
+        self._next_slot = 0
+        self._peers_with_requests: set[str] = set()
+
+    # -- RPCs ------------------------------------------------------------------------------------
+    def Attach(self, request, context):
+        reply = attach(self.transport, request, context)
+        with self._lock:  # a (re)attaching engine starts from scratch: drop what it had
+            self._release_peer(request.peer_id)
+        return reply
+
+    def Draft(self, request: drafter_pb2.DraftRequest, context: grpc.ServicerContext):
+        start = time.perf_counter()
+        with serve_peer(self.transport, context) as peer, self._lock:
+            self._forget_detached_peers()
+            try:
+                lp_ref, ids_ref, gpu_ms = self._draft(request, peer)
+            except TransportError:
+                raise  # serve_peer maps it to its status code
+            except ContextCacheFull as exc:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self._peers_with_requests.add(peer.peer_id)
+        reply = drafter_pb2.DraftReply(top_logprobs=lp_ref, top_ids=ids_ref)
+        reply.timing.server_ms = (time.perf_counter() - start) * 1e3
+        reply.timing.gpu_ms = gpu_ms
+        return reply
+
+    def Release(self, request: drafter_pb2.ReleaseRequest, context: grpc.ServicerContext):
+        with transport_errors(context):
+            peer_id = peer_id_of(context)
+        with self._lock:
+            released = sum(self.cache.release(_key(peer_id, rid)) for rid in request.request_ids)
+        return drafter_pb2.ReleaseReply(released=released)
+
+    # -- work ------------------------------------------------------------------------------------
+    def _draft(self, request: drafter_pb2.DraftRequest, peer) -> tuple[tensor_pb2.TensorRef, tensor_pb2.TensorRef, float]:
+        cfg, limits = self.model.config, self.limits
+        batch, k = len(request.items), request.top_k
+        if not 1 <= k <= cfg.vocab_size:
+            raise ValueError(f"top_k={k} must be in 1..vocab_size={cfg.vocab_size}")
+        if k > limits.max_top_k:
+            raise ValueError(f"top_k={k} exceeds this drafter's --max-top-k {limits.max_top_k}")
+        if batch > limits.max_batch:
+            raise ValueError(f"{batch} items exceed this drafter's --max-batch {limits.max_batch}")
+        ids = [item.request_id for item in request.items]
+        if any(not rid for rid in ids):
+            raise ValueError("an item has an empty request_id")
+        features = []
+        for item in request.items:
+            if item.HasField("context_features"):
+                f = peer.resolve(item.context_features)
+            else:
+                f = torch.empty(0, cfg.feature_width)
+            if f.dim() == 1 and f.numel() == 0:
+                f = f.reshape(0, cfg.feature_width)
+            features.append(f)
+        span = trace.get_current_span()
+        span.set_attributes({ATTR_STEP: request.step_id, ATTR_BATCH: batch, ATTR_TOP_K: k,
+                             ATTR_NEW_TOKENS: sum(f.shape[0] for f in features if f.dim() == 2)})
+        slot = self._next_slot
+        with self.timer.region(DRAFT, **{ATTR_BATCH: batch}):
+            lp, top = self.model.draft_topk(self.cache, [_key(peer.peer_id, r) for r in ids], features,
+                                            [item.bonus_token for item in request.items],
+                                            [item.position for item in request.items], k)
+            shape = (batch, cfg.draft_length, k)
+            lp_out = self.output.view(slot, torch.float32, shape)
+            ids_out = self.output.view(slot, torch.int32, shape, offset=align(lp_out.numel() * 4))
+            lp_out.copy_(lp)
+            ids_out.copy_(top)
+            self.output.record(slot)
+        self._next_slot = (slot + 1) % self.output.slot_count
+        gpu_ms = self.timer.flush(self.tracer).get(DRAFT, 0.0)  # waits for the draft: the reply's fence
+        span.set_attribute(ATTR_GPU_MS, gpu_ms)
+        return (peer.for_peer(self.output.ref(slot, lp_out)), peer.for_peer(self.output.ref(slot, ids_out)), gpu_ms)
+
+    def _release_peer(self, peer_id: str) -> None:
+        prefix = _key(peer_id, "")
+        stale = [rid for rid in self.cache.request_ids() if rid.startswith(prefix)]
+        for rid in stale:
+            self.cache.release(rid)
+        self._peers_with_requests.discard(peer_id)
+        if stale:
+            log.info("released %d requests of peer %s", len(stale), peer_id, extra={"peer": peer_id})
+
+    def _forget_detached_peers(self) -> None:
+        """Frees the context of engines that detached or died (the transport reaps dead peers)."""
+        gone = self._peers_with_requests - set(self.transport.peers())
+        for peer_id in gone:
+            self._release_peer(peer_id)
+
+
+def _key(peer_id: str, request_id: str) -> str:
+    return f"{peer_id}/{request_id}"

@@ -1,0 +1,190 @@
+"""The drafter service in its own process (real gRPC server, port 0), driven through RemoteDrafter
+over the shm transport on CPU (cuda_ipc on a GPU): same top-k as the in-process drafter, clear
+INVALID_ARGUMENT errors that leave the service serving, Release, server spans, graceful stop."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ddtree.engine.backends import DraftItem
+from ddtree.grpc_options import channel_options
+from ddtree.models.dflash import DFlashDrafter, DrafterContextCache
+from ddtree.transport import PeerLink, Transport, TransportConfig, align
+from ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+
+pytest.importorskip("dflash.model")
+from test_dflash import SLIDING_YARN, VOCAB, features, make_checkpoint  # noqa: E402
+from test_target_common import make_checkpoint as make_target_checkpoint  # noqa: E402
+
+SERVER = textwrap.dedent("""
+    import argparse, sys
+    from ddtree.drafter.main import add_serve_parser
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    args = parser.parse_args(sys.argv[1:])
+    sys.exit(args.func(args))
+""")
+WIDTH = 3 * 32
+K = 5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafter_service")
+    make_checkpoint(root / "drafter", **SLIDING_YARN)
+    target = make_target_checkpoint(root / "target", vocab_size=VOCAB, hidden_size=32)
+    return root, target
+
+
+def start_server(root, env, device, kind):
+    env = {**env, "DDTREE_TRANSPORT_KIND": kind, "DDTREE_TRACE_FILE": str(root / f"trace-{kind}.jsonl")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER, "drafter", "--drafter", str(root / "drafter"), "--target", str(root / "target"),
+         "--device", device, "--dtype", "float32", "--max-batch", "4", "--max-top-k", "16", "--slots", "3",
+         "--cache-tokens", "256", "--page-size", "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    line = proc.stdout.readline()
+    if not line.startswith("drafter listening on"):
+        proc.kill()
+        raise AssertionError(f"server did not start: {line!r}\n{proc.stderr.read()[-4000:]}")
+    return proc, int(line.rsplit(":", 1)[1])
+
+
+@pytest.fixture(scope="module", params=[pytest.param(("cpu", "shm"), id="cpu-shm"),
+                                       pytest.param(("cuda", "cuda_ipc"), id="cuda-ipc", marks=pytest.mark.cuda)])
+def service(request, checkpoints):
+    """One drafter process per transport kind, shared by the tests below (the last one stops it)."""
+    device, kind = request.param
+    root, target = checkpoints
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")}
+    proc, port = start_server(root, {**env, "PYTHONUNBUFFERED": "1"}, device, kind)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
+    transport = Transport(TransportConfig(peer_id=f"engine-test-{kind}", kind=kind, device=device, self_test=False))
+    local = DFlashDrafter.from_pretrained(root / "drafter", embed_tokens=target.model.embed_tokens.weight.detach().to(device),
+                                         lm_head=target.lm_head.weight.detach().to(device), dtype=torch.float32, device=device)
+    yield dict(proc=proc, port=port, channel=channel, transport=transport, local=local, device=device, root=root, kind=kind)
+    channel.close()
+    transport.close()
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def remote(service, **kw):
+    from ddtree.drafter.client import RemoteDrafter
+
+    return RemoteDrafter(service["channel"], service["transport"], block_size=4, vocab_size=VOCAB, feature_width=WIDTH,
+                         feature_dtype=torch.float32, **kw)
+
+
+def _raw(service):
+    """A bare client: our feature region, attached; returns (stub, link, region)."""
+    transport = service["transport"]
+    region = transport.create_region("raw/features", 2, 1 << 16)
+    stub = drafter_pb2_grpc.DrafterStub(service["channel"])
+    link = PeerLink(transport, service["channel"], stub.Attach)
+    link.attach()
+    return stub, link, region
+
+
+def _item(link, region, rid, feats, position, bonus=1, slot=0):
+    item = drafter_pb2.DraftItem(request_id=rid, bonus_token=bonus, position=position)
+    if feats.shape[0]:
+        ref = region.put(slot, feats.to(region.device).contiguous())
+        region.record(slot)
+        item.context_features.CopyFrom(link.send(ref))
+    return item
+
+
+def test_bad_requests_are_invalid_argument_and_the_service_keeps_serving(service):
+    stub, link, region = _raw(service)
+    md = link.metadata
+    good = _item(link, region, "ok", features(4, 1), 4)
+    stub.Draft(drafter_pb2.DraftRequest(step_id=1, items=[good], top_k=K), metadata=md)
+    cases = [
+        (drafter_pb2.DraftRequest(items=[_item(link, region, "ok", torch.zeros(2, WIDTH + 1), 6)], top_k=K), "context features must be"),
+        (drafter_pb2.DraftRequest(items=[_item(link, region, "ok", features(0, 1), 2)], top_k=K), "goes backwards"),
+        (drafter_pb2.DraftRequest(items=[_item(link, region, "ghost", features(2, 1), 9)], top_k=K), "unknown request id"),
+        (drafter_pb2.DraftRequest(items=[_item(link, region, "ok", features(1, 1), 5)], top_k=VOCAB + 1), "must be in 1..vocab_size=61"),
+        (drafter_pb2.DraftRequest(items=[_item(link, region, "ok", features(1, 1), 5)], top_k=17), "exceeds this drafter's --max-top-k 16"),
+        (drafter_pb2.DraftRequest(items=[_item(link, region, "ok", features(1, 1), 5, bonus=-3)], top_k=K), "bonus token outside"),
+        (drafter_pb2.DraftRequest(items=[_item(link, region, f"r{i}", features(1, 1), 1) for i in range(5)], top_k=K), "exceed this drafter's --max-batch 4"),
+    ]
+    bad_ref = _item(link, region, "ok", features(1, 1), 5)
+    bad_ref.context_features.slot = 7
+    cases.append((drafter_pb2.DraftRequest(items=[bad_ref], top_k=K), "slot 7 out of range"))
+    for request, message in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Draft(request, metadata=md)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert message in err.value.details() and "Traceback" not in err.value.details()
+    # Without the peer metadata the caller is unknown: refused, not crashed.
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Draft(drafter_pb2.DraftRequest(items=[good], top_k=K))
+    assert "ddtree-peer-id" in err.value.details()
+    # Still serving, and request "ok" is where it was (4 tokens): continuing at 5 works.
+    reply = stub.Draft(drafter_pb2.DraftRequest(step_id=2, items=[_item(link, region, "ok", features(1, 2), 5)], top_k=K), metadata=md)
+    assert list(link.resolve(reply.top_ids).shape) == [1, 3, K]
+    # After Release, continuing the request is an unknown id; starting over from 0 works.
+    assert stub.Release(drafter_pb2.ReleaseRequest(request_ids=["ok"]), metadata=md).released == 1
+    with pytest.raises(grpc.RpcError, match="unknown request id"):
+        stub.Draft(drafter_pb2.DraftRequest(items=[_item(link, region, "ok", features(1, 1), 6)], top_k=K), metadata=md)
+    stub.Draft(drafter_pb2.DraftRequest(items=[_item(link, region, "ok", features(6, 1), 6)], top_k=K), metadata=md)
+    # A full context cache (256 tokens) is RESOURCE_EXHAUSTED, and the service goes on.
+    big = drafter_pb2.DraftRequest(items=[_item(link, region, "big", features(170, 3), 170)], top_k=K)
+    stub.Draft(big, metadata=md)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Draft(drafter_pb2.DraftRequest(items=[_item(link, region, "big2", features(100, 3), 100)], top_k=K), metadata=md)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "context cache full" in err.value.details()
+    stub.Release(drafter_pb2.ReleaseRequest(request_ids=["big"]), metadata=md)
+    stub.Draft(drafter_pb2.DraftRequest(items=[_item(link, region, "big2", features(100, 3), 100)], top_k=K), metadata=md)
+    assert service["proc"].poll() is None
+
+
+def test_remote_top_k_equals_in_process_drafter_and_service_stops_cleanly(service):
+    health = health_pb2_grpc.HealthStub(service["channel"]).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    dev = service["device"]
+    drafter = remote(service, feature_slot_bytes=align(7 * WIDTH * 4))  # 7 rows per slot: long prompts are split
+    cache = DrafterContextCache(service["local"].config, num_pages=64, page_size=8, device=dev, dtype=torch.float32)
+    plans = {"a": [(20, 5), (3, 9), (1, 2)], "b": [(2, 1), (4, 7), (6, 3)], "c": [(9, 4), (1, 6), (0, 8)]}
+    positions = dict.fromkeys(plans, 0)
+    for step in range(3):
+        items = []
+        for rid, plan in plans.items():
+            n, token = plan[step]
+            positions[rid] += n
+            items.append(DraftItem(rid, token, positions[rid], features(n, seed=len(rid) * 100 + step).to(dev)))
+        lp, ids = drafter.draft(step, items, K)
+        want_lp, want_ids = service["local"].draft_topk(cache, [i.request_id for i in items], [i.new_features for i in items],
+                                                        [i.bonus_token for i in items], [i.position for i in items], K)
+        assert lp.shape == (3, 3, K) and lp.dtype == torch.float32 and ids.dtype == torch.int32
+        torch.testing.assert_close(lp.to(dev), want_lp, rtol=1e-5, atol=1e-5)
+        assert torch.equal(ids.to(dev), want_ids)
+        assert drafter.last_timing.server_ms > 0
+        if dev == "cuda":
+            assert drafter.last_timing.gpu_ms > 0
+    drafter.release(["a", "b", "nope"])
+    stub = drafter_pb2_grpc.DrafterStub(service["channel"])
+    assert stub.Release(drafter_pb2.ReleaseRequest(request_ids=["c", "c"]), metadata=drafter.link.metadata).released == 1
+
+    proc = service["proc"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    spans = [s for line in open(service["root"] / f"trace-{service['kind']}.jsonl")
+             for rs in json.loads(line)["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]]
+    drafts = [s for s in spans if s["name"] == "ddtree.v1.Drafter/Draft"]
+    assert len(drafts) >= 3
+    attrs = {a["key"]: a["value"] for a in drafts[-1]["attributes"]}
+    assert attrs["ddtree.draft.batch_size"] == {"intValue": "3"} and attrs["ddtree.draft.top_k"] == {"intValue": str(K)}
+    if dev == "cuda":
+        assert any(s["name"] == "ddtree.draft.gpu" for s in spans)
