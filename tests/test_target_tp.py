@@ -44,13 +44,17 @@ def _scenario(model: TargetModel) -> dict[str, torch.Tensor]:
     return got
 
 
-def _worker(rank: int, world: int, path: str, port: int) -> None:
+def _worker(rank: int, world: int, path: str, port: int, backend: str = "gloo") -> None:
+    """backend gloo: CPU ranks; nccl: rank r on cuda:r (float32 either way, so greedy ties are rare)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
-        model = TargetModel.from_pretrained(path, dtype=torch.float32, process_group=dist.group.WORLD,
-                                            feature_layers=FEATURES)
+        model = TargetModel.from_pretrained(path, dtype=torch.float32, device=device,
+                                            process_group=dist.group.WORLD, feature_layers=FEATURES)
         if rank:
             model.follow()
             return
@@ -59,7 +63,7 @@ def _worker(rank: int, world: int, path: str, port: int) -> None:
             tp_out = _scenario(model)
         finally:
             model.stop_followers()
-        single = TargetModel.from_pretrained(path, dtype=torch.float32, tp=TensorParallel(),
+        single = TargetModel.from_pretrained(path, dtype=torch.float32, device=device, tp=TensorParallel(),
                                              feature_layers=FEATURES)
         ref = _scenario(single)
         for key, value in ref.items():
@@ -80,6 +84,14 @@ def _free_port() -> int:
 def test_tp2_gloo_equals_tp1(tmp_path):
     make_checkpoint(tmp_path, **CONFIGS["qlora_moe_groups_yarn"])
     mp.spawn(_worker, args=(2, str(tmp_path), _free_port()), nprocs=2, join=True)
+
+
+@pytest.mark.cuda
+def test_tp2_nccl_equals_tp1(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    make_checkpoint(tmp_path, **CONFIGS["qlora_moe_groups_yarn"])
+    mp.spawn(_worker, args=(2, str(tmp_path), _free_port(), "nccl"), nprocs=2, join=True)
 
 
 def test_tp_shard_sizes_must_divide():

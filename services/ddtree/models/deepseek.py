@@ -333,7 +333,7 @@ class TargetModel(nn.Module):
             raise ValueError("tree_depths of real nodes must be in 1..N")
         tokens = torch.cat([root[:, None], toks.clamp_min(0)], dim=1)
         depths = torch.cat([torch.zeros_like(root)[:, None], depths.clamp_min(0)], dim=1)
-        return tokens, depths, mask.to(self.device).view(torch.int64)
+        return tokens, depths, mask.view(torch.int64).to(self.device)  # int64 view: uint64 has few kernels
 
     def _verify(self, seq_ids, tokens, depths, mask, need_full, sampling=None, generators=None, return_logits=False):
         b, t = tokens.shape

@@ -15,6 +15,8 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: object | None = None  # a torch.distributed ProcessGroup; None = default group
+    # False: shard shapes of a `size`-way split but no collectives (one-rank benchmarks)
+    communicate: bool = True
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -29,7 +31,7 @@ class TensorParallel:
 
     @property
     def enabled(self) -> bool:
-        return self.size > 1
+        return self.size > 1 and self.communicate
 
     def shard(self, total: int, what: str) -> slice:
         """This rank's contiguous share of `total` items (heads, experts, vocab rows, ...)."""
