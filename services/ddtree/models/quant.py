@@ -220,14 +220,19 @@ def is_fp8_linear(name: str) -> bool:
 
 
 def quantize_checkpoint(
-    src: str | Path, dst: str | Path, fmt: str, select: Callable[[str], bool] | None = None
+    src: str | Path,
+    dst: str | Path,
+    fmt: str,
+    select: Callable[[str], bool] | None = None,
+    fp8_block: tuple[int, int] = FP8_BLOCK,
 ) -> list[str]:
     """Write a copy of the HF checkpoint ``src`` to ``dst`` with the selected weights in ``fmt``.
 
     ``fmt`` is ``"fp8"`` (DeepSeek-V3 block) or ``"int4"`` (compressed-tensors pack-quantized);
     ``select(name)`` picks the 2-D weights to quantize (default: ``is_fp8_linear`` /
-    ``is_routed_expert``). Shard files and the index keep their names; config.json gains the
-    matching ``quantization_config``. Loads one shard at a time. Returns the quantized names.
+    ``is_routed_expert``); ``fp8_block`` other than 128x128 exercises multi-block paths on tiny
+    models. Shard files and the index keep their names; config.json gains the matching
+    ``quantization_config``. Loads one shard at a time. Returns the quantized names.
     """
     if fmt not in ("fp8", "int4"):
         raise ValueError(f"fmt must be 'fp8' or 'int4', got {fmt!r}")
@@ -244,7 +249,7 @@ def quantize_checkpoint(
             if t.dim() == 2 and name.endswith(".weight") and select(name):
                 module = name[: -len(".weight")]
                 if fmt == "fp8":
-                    out[name], out[module + ".weight_scale_inv"] = quantize_fp8_block(t)
+                    out[name], out[module + ".weight_scale_inv"] = quantize_fp8_block(t, fp8_block)
                 else:
                     packed, scale, shape = pack_int4_group32(t)
                     out.update({module + ".weight_packed": packed, module + ".weight_scale": scale,
@@ -259,6 +264,9 @@ def quantize_checkpoint(
     if index:
         (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = FP8_QUANTIZATION_CONFIG if fmt == "fp8" else int4_quantization_config(sorted(ignored))
+    config["quantization_config"] = (
+        dict(FP8_QUANTIZATION_CONFIG, weight_block_size=list(fp8_block)) if fmt == "fp8"
+        else int4_quantization_config(sorted(ignored))
+    )
     (dst / "config.json").write_text(json.dumps(config, indent=1))
     return quantized
