@@ -67,7 +67,8 @@ def test_thousand_steps_on_side_streams_ordered_by_slot_events(link):
             echoed = link.resolve(reply.output)     # our consumer stream waits on the server's slot event
             consumer.wait_stream(producer)
             assert torch.equal(echoed, expected), f"step {step}: echo differs"
-        assert reply.checksum == checksum(expected), f"step {step}: server read before the write landed"
+            want = checksum(expected)
+        assert reply.checksum == want, f"step {step}: server read before the write landed"
         with torch.cuda.stream(producer):
             probe.view(slot, torch.uint8, (probe.slot_bytes,)).fill_(0xA5)   # poison the reused slot
 
