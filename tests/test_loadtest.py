@@ -100,6 +100,7 @@ def test_loadtest_at_concurrency_1_and_4_is_consistent(stack, tmp_path, capsys):
     table = capsys.readouterr().out
     assert rc == 0, table
     levels = {(lv["mode"], lv["concurrency"]): lv for lv in json.loads(out_json.read_text())["levels"]}
+    stack["levels"] = levels
     assert set(levels) == {("ddtree", 1), ("ddtree", 4), ("ar", 1), ("ar", 4)}
     for (mode, conc), lv in levels.items():
         assert (lv["requests"], lv["errors"]) == (8, 0)
@@ -206,3 +207,13 @@ def test_trace_report_on_the_recorded_run(stack, capsys):
         comps = {r["component"] for r in g["rows"]}
         assert {S.VERIFY, S.COMMIT, R.OTHER} <= comps
     assert {S.DRAFT, S.TREE_BUILD, S.ACCEPT} <= {r["component"] for r in everything["rows"]}
+
+    # By load-test level: at concurrency 1 every decode step of a request is one step span.
+    assert R.main(["trace-report", "--file", str(stack["trace_file"]), "--group-by", "level", "--json"]) == 0
+    by_level = {g["group"]: g for g in json.loads(capsys.readouterr().out)["groups"]}
+    for (mode, conc), lv in stack.get("levels", {}).items():
+        steps = by_level[f"loadtest-{mode}-c{conc}"]["steps"]
+        if conc == 1:
+            assert steps == sum(lv["acceptance_hist"].values()), mode
+        else:
+            assert sum(lv["acceptance_hist"].values()) / conc <= steps <= sum(lv["acceptance_hist"].values())

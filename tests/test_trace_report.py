@@ -61,7 +61,7 @@ def _record(tmp_path, n_steps=24, seed=0):
     truth = []   # (batch_size, step_wall_us, {component: Planned})
     t = 1_700_000_000_000_000 * US
     request = S.start_request_span(verify, model="tiny", prompt_tokens=5, max_tokens=64, temperature=0.0,
-                                   mode="ddtree", budget=16)
+                                   mode="ddtree", budget=16, request_id="loadtest-ddtree-c10-3")
     for step_id in range(n_steps):
         batch = rng.choice([1, 4])
         step_start = t
@@ -151,9 +151,16 @@ def _check(reports, truth):
 
 def test_report_from_otlp_files_matches_the_schedule(tmp_path):
     files, truth, _ = _record(tmp_path)
-    steps = R.step_breakdowns([sp for f in files for sp in R.load_otlp_file(f)])
+    records = [sp for f in files for sp in R.load_otlp_file(f)]
+    steps = R.step_breakdowns(records)
     assert len(steps) == len(truth)
     _check(R.summarize(steps), truth)
+    # The load-test level comes from the parent request's id; groups sort naturally.
+    by_level = R.summarize(R.step_breakdowns(records, ("level", "batch_size")))
+    assert [r.group for r in by_level] == ["loadtest-ddtree-c10/1", "loadtest-ddtree-c10/4", "all"]
+    assert R._group_key("x-c4/2") < R._group_key("x-c10/1") < R._group_key("x-c10/16")
+    with pytest.raises(ValueError, match="unknown group key 'size'"):
+        R.step_breakdowns(records, ("size",))
 
 
 # ---- Jaeger: the same spans in the query API's JSON, served over real HTTP ---------------------

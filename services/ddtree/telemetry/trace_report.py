@@ -225,8 +225,32 @@ def _attribute(span: SpanRecord, children: dict) -> dict[str, float]:
     return {"wall": wall, "gpu": gpu, "transport": transport, "host": max(0.0, wall - gpu - transport)}
 
 
-def step_breakdowns(spans: Sequence[SpanRecord], group_by: str = S.STEP_BATCH_SIZE) -> list[StepBreakdown]:
-    """Every ddtree.step span with its components attributed, in start order."""
+# Step grouping keys: a step attribute, or "level": the tag of the step's parent request (its
+# ddtree.request.id without a trailing "-<n>", e.g. "loadtest-ddtree-c4" for the load test's
+# requests), which separates the levels of a load-test sweep whatever batch sizes they made.
+GROUP_KEYS = {"batch_size": S.STEP_BATCH_SIZE, "mode": S.STEP_MODE, "budget": S.STEP_BUDGET, "level": "level"}
+
+
+def _group_of(step: SpanRecord, group_by: Sequence[str], unique: dict) -> str:
+    parts = []
+    for name in group_by:
+        if name == "level":
+            parent = unique.get((step.trace_id, step.parent_id))
+            tag = parent.attributes.get(S.REQUEST_ID, "") if parent is not None and parent.name == S.REQUEST else ""
+            parts.append(re.sub(r"-\d+$", "", str(tag)) or "?")
+        else:
+            parts.append(str(step.attributes.get(GROUP_KEYS[name], "?")))
+    return "/".join(parts) or "all"
+
+
+def step_breakdowns(spans: Sequence[SpanRecord], group_by: Sequence[str] = ("batch_size",)) -> list[StepBreakdown]:
+    """Every ddtree.step span with its components attributed, in start order.
+
+    `group_by`: names from GROUP_KEYS; the step's group is their values joined by "/".
+    """
+    unknown = [g for g in group_by if g not in GROUP_KEYS]
+    if unknown:
+        raise ValueError(f"unknown group key {unknown[0]!r}; expected some of {', '.join(GROUP_KEYS)}")
     children: dict[tuple[str, str], list[SpanRecord]] = defaultdict(list)
     unique = {(sp.trace_id, sp.span_id): sp for sp in spans}   # a span exported twice counts once
     for sp in unique.values():
@@ -243,7 +267,7 @@ def step_breakdowns(spans: Sequence[SpanRecord], group_by: str = S.STEP_BATCH_SI
             for key, value in _attribute(child, children).items():
                 acc[key] += value
             acc["count"] += 1
-        group = "all" if group_by == "none" else str(step.attributes.get(group_by, "?"))
+        group = _group_of(step, group_by, unique)
         out.append(StepBreakdown(step.trace_id, step.span_id, group, step.duration_ms, comps))
     return out
 
@@ -277,7 +301,8 @@ def _pct(values: Sequence[float], q: float) -> float:
 
 
 def _group_key(group: str):
-    return (0, int(group), "") if group.lstrip("-").isdigit() else (1, 0, group)
+    """Natural order: "c4" before "c10", "ddtree/4" before "ddtree/10"."""
+    return [(int(t), "") if t.isdigit() else (-1, t) for t in re.split(r"(\d+)", group)]
 
 
 def summarize(steps: Sequence[StepBreakdown], with_all: bool = True) -> list[GroupReport]:
@@ -313,8 +338,8 @@ def summarize(steps: Sequence[StepBreakdown], with_all: bool = True) -> list[Gro
 
 
 # ---- output -----------------------------------------------------------------------------------
-def format_table(reports: Sequence[GroupReport], group_by: str = S.STEP_BATCH_SIZE) -> str:
-    label = group_by.rsplit(".", 1)[-1]
+def format_table(reports: Sequence[GroupReport], group_by: Sequence[str] = ("batch_size",)) -> str:
+    label = "/".join(group_by)
     lines = []
     header = (f"{'component':<12}{'count':>7}{'mean_ms':>10}{'p50_ms':>10}{'p90_ms':>10}{'share':>8}"
               f"{'gpu_ms':>10}{'transport_ms':>14}{'host_ms':>10}")
@@ -330,11 +355,11 @@ def format_table(reports: Sequence[GroupReport], group_by: str = S.STEP_BATCH_SI
     return "\n".join(lines).rstrip() + "\n"
 
 
-def to_json(reports: Sequence[GroupReport], group_by: str) -> str:
-    return json.dumps({"group_by": group_by, "groups": [asdict(r) for r in reports]}, indent=1)
+def to_json(reports: Sequence[GroupReport], group_by: Sequence[str]) -> str:
+    return json.dumps({"group_by": list(group_by), "groups": [asdict(r) for r in reports]}, indent=1)
 
 
-def plot(reports: Sequence[GroupReport], path: str, group_by: str) -> None:
+def plot(reports: Sequence[GroupReport], path: str, group_by: Sequence[str]) -> None:
     """PNG: mean ms per step stacked by component (left) and by gpu/transport/host (right)."""
     try:
         import matplotlib
@@ -362,7 +387,8 @@ def plot(reports: Sequence[GroupReport], path: str, group_by: str) -> None:
         bottom = [b + h for b, h in zip(bottom, heights)]
     right.set_title("step time by kind")
     for ax in (left, right):
-        ax.set_xlabel(group_by.rsplit(".", 1)[-1])
+        ax.set_xlabel("/".join(group_by) or "all steps")
+        ax.tick_params(axis="x", labelrotation=30 if len(reports) > 6 else 0)
         ax.set_ylabel("mean ms per step")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
@@ -371,9 +397,6 @@ def plot(reports: Sequence[GroupReport], path: str, group_by: str) -> None:
 
 
 # ---- command ----------------------------------------------------------------------------------
-_GROUP_BY = {"batch_size": S.STEP_BATCH_SIZE, "mode": S.STEP_MODE, "budget": S.STEP_BUDGET, "none": "none"}
-
-
 def add_trace_report_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "trace-report", help="per-component step latency from traces (Jaeger or OTLP-JSON file)",
@@ -387,7 +410,9 @@ def add_trace_report_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--service", default="ddtree-verify", help="Jaeger service to search (default ddtree-verify)")
     p.add_argument("--lookback", default="1h", help="Jaeger time window: 90s, 30m, 1h, 2d (default 1h)")
     p.add_argument("--limit", type=int, default=1000, help="most traces to fetch from Jaeger (default 1000)")
-    p.add_argument("--group-by", choices=sorted(_GROUP_BY), default="batch_size", help="step attribute to group by")
+    p.add_argument("--group-by", default="batch_size", metavar="KEYS",
+                   help="comma-separated grouping of steps, from batch_size, mode, budget, level (the load "
+                        "test's level, from the request id), or none (default batch_size)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", metavar="PNG", help="also write a stacked-bar chart (needs matplotlib)")
     p.set_defaults(func=run_trace_report)
@@ -395,7 +420,7 @@ def add_trace_report_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_trace_report(args: argparse.Namespace) -> int:
-    group_by = _GROUP_BY[args.group_by]
+    group_by = tuple(g for g in (x.strip() for x in args.group_by.split(",")) if g and g != "none")
     try:
         if args.jaeger:
             records = fetch_jaeger(args.jaeger, args.service, args.lookback, args.limit)
@@ -407,7 +432,7 @@ def run_trace_report(args: argparse.Namespace) -> int:
         if not steps:
             print(f"trace-report: no {S.STEP} spans in {source} ({len(records)} spans read)", file=sys.stderr)
             return 1
-        reports = summarize(steps, with_all=group_by != "none")
+        reports = summarize(steps, with_all=bool(group_by))
         print(to_json(reports, group_by) if args.json else format_table(reports, group_by), end="" if not args.json else "\n")
         if args.plot:
             plot(reports, args.plot, group_by)
