@@ -1,10 +1,11 @@
 // CUDA backend: one warp per request, no host synchronisation, capturable in a CUDA graph.
 //
-// Build keeps the whole frontier as one sorted array in registers, blocked over the warp
-// (lane l holds positions l*M .. l*M+M-1). A pop takes position 0; its two offers find their
-// positions with one warp reduction each and the array shifts by at most one place, so a pop
-// costs a few dozen instructions and no memory traffic beyond the log-prob reads. Only
-// positions < the remaining budget can ever pop, so 32*M >= budget slots suffice.
+// Build keeps the frontier as one array in pop order, in registers, strided over the warp
+// (position j = 32 * k + lane in row k). A pop takes position 0; its two offers find their
+// positions with one warp reduction each (compares are branch-free; exactly equal scores take
+// a rare warp-uniform path through the rank paths) and the array shifts by at most one place
+// through lane shuffles. Rows past the live frontier are skipped, so a pop costs a few dozen
+// instructions per live row and no memory traffic beyond the log-prob reads in shared memory.
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -49,12 +50,6 @@ __device__ __noinline__ bool tie_pops_before(uint32_t ca, uint32_t cb, const int
                         rank);
 }
 
-__device__ __forceinline__ bool pops_before_dev(double sa, uint32_t ca, double sb, uint32_t cb,
-                                                const int16_t* parent, const int16_t* rank) {
-  if (sa != sb) return sa > sb;
-  if (sa == -INFINITY) return false;  // empty slots never pop
-  return tie_pops_before(ca, cb, parent, rank);
-}
 
 template <int M>
 __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs out) {
@@ -102,23 +97,26 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
   else if (__any_sync(kFullMask, unordered)) status = kNotDescending;
   if (budget < 1 || budget > N) status = kBadBudget;
 
+  // Frontier position j = k * 32 + lane lives in score[k] / cand[k]; positions < live are
+  // valid, in pop order. live <= min(32 * M, budget - n): later positions could never pop.
   double score[M];
   uint32_t cand[M];
 #pragma unroll
   for (int k = 0; k < M; ++k) {
-    score[k] = -INFINITY;
+    score[k] = 0.0;
     cand[k] = 0;
   }
   if (lane == 0) {
     score[0] = static_cast<double>(s_lp[0]);
     cand[0] = pack_candidate(0, 0, 1);
   }
+  int live = 1;
+  const int up_lane = (lane + kWarp - 1) % kWarp, down_lane = (lane + 1) % kWarp;
 
   int n = 0;
-  while (status == kOk && n < budget) {
+  while (status == kOk && n < budget && live > 0) {
     const double head_score = __shfl_sync(kFullMask, score[0], 0);
     const uint32_t head = __shfl_sync(kFullMask, cand[0], 0);
-    if (head_score == -INFINITY) break;  // no candidate left
     ++n;
     const int p = candidate_parent(head), r = candidate_rank(head), d = candidate_depth(head);
     if (lane == 0) {
@@ -127,72 +125,91 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
       s_depth[n] = static_cast<int8_t>(d);
     }
     // The two offers, in the contract's float64 operation order.
-    double sibling = -INFINITY, child = -INFINITY;
-    if (r + 1 < K) {
+    const bool has_sibling = r + 1 < K, has_child = d < D;
+    double sibling = 0.0, child = 0.0;
+    if (has_sibling) {
       sibling = head_score - static_cast<double>(s_lp[(d - 1) * K + r]);
       sibling = sibling + static_cast<double>(s_lp[(d - 1) * K + r + 1]);
     }
-    if (d < D) child = head_score + static_cast<double>(s_lp[d * K]);
+    if (has_child) child = head_score + static_cast<double>(s_lp[d * K]);
     // On equal scores the child (path p + [r, 0]) sorts before the sibling (p + [r + 1]).
-    const bool child_first = child >= sibling;
+    const bool child_first = has_child && (!has_sibling || child >= sibling);
+    const int offers = has_child + has_sibling;
     const double s1 = child_first ? child : sibling, s2 = child_first ? sibling : child;
     const uint32_t c1 = child_first ? pack_candidate(n, 0, d + 1) : pack_candidate(p, r + 1, d);
     const uint32_t c2 = child_first ? pack_candidate(p, r + 1, d) : pack_candidate(n, 0, d + 1);
-    __syncwarp();  // node n is visible to the tie-breaks below
 
-    // Positions of the offers in the frontier without its head.
+    // Positions of the offers among the frontier without its head: count what pops first.
     int ahead1 = 0, ahead2 = 0;
+    bool tie = false;
 #pragma unroll
     for (int k = 0; k < M; ++k) {
-      if (k == 0 && lane == 0) continue;  // the head just popped
-      ahead1 += pops_before_dev(score[k], cand[k], s1, c1, s_parent, s_rank);
-      ahead2 += pops_before_dev(score[k], cand[k], s2, c2, s_parent, s_rank);
-    }
-    int q1 = __reduce_add_sync(kFullMask, ahead1);
-    int q2 = __reduce_add_sync(kFullMask, ahead2) + 1;  // s1 goes before s2
-    if (s1 == -INFINITY) q1 = kNoPosition;
-    if (s2 == -INFINITY) q2 = kNoPosition;
-
-    // Shift: new[j] = old[j+1] before q1, s1 at q1, old[j] up to q2, s2 at q2, old[j-1] after.
-    double prev_score = __shfl_up_sync(kFullMask, score[M - 1], 1);
-    uint32_t prev_cand = __shfl_up_sync(kFullMask, cand[M - 1], 1);
-    double next_score = __shfl_down_sync(kFullMask, score[0], 1);
-    uint32_t next_cand = __shfl_down_sync(kFullMask, cand[0], 1);
-    if (lane == kWarp - 1) {
-      next_score = -INFINITY;
-      next_cand = 0;
-    }
-    double new_score[M];
-    uint32_t new_cand[M];
-#pragma unroll
-    for (int k = 0; k < M; ++k) {
-      const int j = lane * M + k;
-      const double up_s = k > 0 ? score[k - 1] : prev_score;
-      const uint32_t up_c = k > 0 ? cand[k - 1] : prev_cand;
-      const double down_s = k < M - 1 ? score[k + 1] : next_score;
-      const uint32_t down_c = k < M - 1 ? cand[k + 1] : next_cand;
-      if (j < q1) {
-        new_score[k] = down_s;
-        new_cand[k] = down_c;
-      } else if (j == q1) {
-        new_score[k] = s1;
-        new_cand[k] = c1;
-      } else if (j < q2) {
-        new_score[k] = score[k];
-        new_cand[k] = cand[k];
-      } else if (j == q2) {
-        new_score[k] = s2;
-        new_cand[k] = c2;
-      } else {
-        new_score[k] = up_s;
-        new_cand[k] = up_c;
+      if (k * kWarp < live) {
+        const int j = k * kWarp + lane;
+        const bool valid = j > 0 && j < live;
+        ahead1 += valid && score[k] > s1;
+        ahead2 += valid && score[k] > s2;
+        tie |= valid && (score[k] == s1 || score[k] == s2);
       }
     }
+    __syncwarp();  // node n is visible to the tie-breaks
+    if (__any_sync(kFullMask, tie)) {  // exactly equal scores: compare rank paths (rare)
+#pragma unroll
+      for (int k = 0; k < M; ++k) {
+        const int j = k * kWarp + lane;
+        if (k * kWarp < live && j > 0 && j < live) {
+          if (score[k] == s1 && tie_pops_before(cand[k], c1, s_parent, s_rank)) ++ahead1;
+          if (score[k] == s2 && tie_pops_before(cand[k], c2, s_parent, s_rank)) ++ahead2;
+        }
+      }
+    }
+    const int q1 = offers >= 1 ? __reduce_add_sync(kFullMask, ahead1) : kNoPosition;
+    const int q2 = offers >= 2 ? __reduce_add_sync(kFullMask, ahead2) + 1 : kNoPosition;
+    const int next_live = min(min(live - 1 + offers, M * kWarp), budget - n);
+
+    // Shift: new[j] = old[j+1] before q1, s1 at q1, old[j] up to q2, s2 at q2, old[j-1] after.
+    // old[j-1] / old[j+1] come from the neighbour lane (row k-1 / k+1 across the warp edge).
+    double up_s_prev = 0.0, down_s = 0.0;
+    uint32_t up_c_prev = 0, down_c = 0;
+    down_s = __shfl_sync(kFullMask, score[0], down_lane);
+    down_c = __shfl_sync(kFullMask, cand[0], down_lane);
 #pragma unroll
     for (int k = 0; k < M; ++k) {
-      score[k] = new_score[k];
-      cand[k] = new_cand[k];
+      if (k * kWarp < next_live) {
+        const double old_s = score[k];
+        const uint32_t old_c = cand[k];
+        const double up_s = __shfl_sync(kFullMask, old_s, up_lane);
+        const uint32_t up_c = __shfl_sync(kFullMask, old_c, up_lane);
+        double down_next_s = 0.0;
+        uint32_t down_next_c = 0;
+        if (k + 1 < M) {
+          down_next_s = __shfl_sync(kFullMask, score[k + 1], down_lane);
+          down_next_c = __shfl_sync(kFullMask, cand[k + 1], down_lane);
+        }
+        const double below_s = lane == 0 ? up_s_prev : up_s;  // old[j-1]
+        const uint32_t below_c = lane == 0 ? up_c_prev : up_c;
+        const double above_s = lane == kWarp - 1 ? down_next_s : down_s;  // old[j+1]
+        const uint32_t above_c = lane == kWarp - 1 ? down_next_c : down_c;
+        const int j = k * kWarp + lane;
+        double new_s = j < q1 ? above_s : (j < q2 ? old_s : below_s);
+        uint32_t new_c = j < q1 ? above_c : (j < q2 ? old_c : below_c);
+        if (j == q1) {
+          new_s = s1;
+          new_c = c1;
+        }
+        if (j == q2) {
+          new_s = s2;
+          new_c = c2;
+        }
+        score[k] = new_s;
+        cand[k] = new_c;
+        up_s_prev = up_s;
+        up_c_prev = up_c;
+        down_s = down_next_s;
+        down_c = down_next_c;
+      }
     }
+    live = next_live;
   }
   __syncwarp();
 
@@ -287,13 +304,17 @@ void launch_build(const BuildArgs& in, const BuildOutputs& out, cudaStream_t str
 
 void build_trees_cuda(const BuildArgs& in, const BuildOutputs& out, void* stream_handle) {
   auto stream = static_cast<cudaStream_t>(stream_handle);
-  const int slots_per_lane = (in.max_budget + kWarp - 1) / kWarp;
-  if (slots_per_lane <= 1) launch_build<1>(in, out, stream);
-  else if (slots_per_lane <= 2) launch_build<2>(in, out, stream);
-  else if (slots_per_lane <= 4) launch_build<4>(in, out, stream);
-  else if (slots_per_lane <= 8) launch_build<8>(in, out, stream);
-  else if (slots_per_lane <= 16) launch_build<16>(in, out, stream);
-  else launch_build<32>(in, out, stream);
+  // After n pops the frontier holds <= n + 1 candidates, and only positions < budget - n can
+  // still pop, so ceil(budget / 2) slots always suffice.
+  const int rows = ((in.max_budget + 1) / 2 + kWarp - 1) / kWarp;
+  if (rows <= 1) launch_build<1>(in, out, stream);
+  else if (rows <= 2) launch_build<2>(in, out, stream);
+  else if (rows <= 3) launch_build<3>(in, out, stream);
+  else if (rows <= 4) launch_build<4>(in, out, stream);
+  else if (rows <= 6) launch_build<6>(in, out, stream);
+  else if (rows <= 8) launch_build<8>(in, out, stream);
+  else if (rows <= 12) launch_build<12>(in, out, stream);
+  else launch_build<16>(in, out, stream);
 }
 
 void accept_cuda(const AcceptArgs& in, const AcceptOutputs& out, void* stream_handle) {

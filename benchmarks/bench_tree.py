@@ -1,0 +1,215 @@
+"""Tree build and accept benchmarks (issue 4). One run writes, under --out:
+
+kernels.txt                device time (CUDA events, median) of the cuda build and accept kernels
+                           for batch {1,8,32,64,128} x budget {16,64,256,1024}, D = 16, K = budget.
+tree_build_vs_sglang.txt   side by side in the same run, wall time per batch (median):
+                           (a) the SGLang-style path: per request, top-k copied to the host, the
+                               Python heapq build, a numpy visibility matrix, results copied back
+                               to the GPU. This is our re-implementation of that path (SGLang's
+                               DDTree worker does these steps; its code is not imported here);
+                               the heapq part is ddtree.tree.reference.build_tree, the oracle.
+                           (b) the `cpu` backend: top-k to host, C++ build, results back to GPU.
+                           (c) the `cuda` backend: build_trees(...) launch + synchronize.
+                           with ratios a/c and b/c (and a/c against c's device time).
+
+    python benchmarks/bench_tree.py --out benchmarks/results/h200
+    python benchmarks/bench_tree.py --smoke     # small workload, e.g. under compute-sanitizer
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ddtree.tree import accept, build_trees, reference
+from ddtree.tree.samples import random_topk
+
+BATCHES = (1, 8, 32, 64, 128)
+BUDGETS = (16, 64, 256, 1024)
+DEPTH = 16
+
+
+SLEEP_CYCLES = 400_000  # ~200 us of GPU spin before each timed call: longer than its host overhead
+
+
+def device_us(fn, reps: int, warmup: int = 5) -> float:
+    """Median device time of fn's GPU work in microseconds, one CUDA event pair per call.
+
+    A spin kernel queued first keeps the stream busy while Python prepares the launch, so the
+    start event fires right before the kernel instead of measuring host overhead."""
+    for _ in range(warmup):
+        fn()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in pairs:
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1000.0 for s, e in pairs)
+
+
+def wall_us(fn, reps: int, warmup: int = 1) -> float:
+    """Median wall time of fn (which must synchronize what it launched) in microseconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def inputs(batch: int, budget: int, seed: int = 0):
+    lp, ids = random_topk(batch, DEPTH, budget, generator=torch.Generator().manual_seed(seed))
+    return lp.cuda(), ids.cuda()
+
+
+def deepest_posterior(trees_cpu) -> torch.Tensor:
+    """A posterior that follows each tree's deepest path: the longest accept walk."""
+    post = torch.full((trees_cpu.batch, trees_cpu.budget + 1), -1, dtype=torch.int32)
+    for b in range(trees_cpu.batch):
+        depths = [0] + trees_cpu.depths[b].tolist()
+        node = max(range(int(trees_cpu.num_nodes[b]) + 1), key=lambda i: depths[i])
+        while node > 0:
+            parent = int(trees_cpu.parents[b, node])
+            post[b, parent] = trees_cpu.tokens[b, node - 1]
+            node = parent
+    return post
+
+
+def sglang_style_build(lp_gpu: torch.Tensor, ids_gpu: torch.Tensor, budget: int) -> list:
+    """(a): per request, host copy -> heapq tree -> numpy visibility -> copies back to the GPU."""
+    device = lp_gpu.device
+    results = []
+    for b in range(lp_gpu.shape[0]):
+        lp = lp_gpu[b].cpu().numpy()
+        ids = ids_gpu[b].cpu().numpy()
+        tree = reference.build_tree(lp, ids, budget)
+        n = len(tree.tokens)
+        visible = np.zeros((n + 1, n + 1), dtype=bool)
+        visible[0, 0] = True
+        for i in range(1, n + 1):
+            visible[i] = visible[tree.parents[i]]
+            visible[i, i] = True
+        positions = np.asarray([0] + tree.depths, dtype=np.int64)
+        results.append((torch.tensor(tree.tokens, dtype=torch.int64).to(device),
+                        torch.from_numpy(positions).to(device),
+                        torch.from_numpy(visible).to(device),
+                        torch.tensor(tree.parents, dtype=torch.int64).to(device)))
+    torch.cuda.synchronize()
+    return results
+
+
+def cpu_backend_build(lp_gpu: torch.Tensor, ids_gpu: torch.Tensor, budget: int):
+    """(b): the C++ backend with the same host round trip."""
+    trees = build_trees(lp_gpu.cpu(), ids_gpu.cpu(), budget, "cpu")
+    out = [t.to(lp_gpu.device) for t in (trees.tokens, trees.depths, trees.parents, trees.num_nodes, trees.mask)]
+    torch.cuda.synchronize()
+    return out
+
+
+def cuda_backend_build(lp_gpu: torch.Tensor, ids_gpu: torch.Tensor, budget: int):
+    """(c): the cuda backend, launch included."""
+    trees = build_trees(lp_gpu, ids_gpu, budget, "cuda", check=False)
+    torch.cuda.synchronize()
+    return trees
+
+
+def header(title: str, command: str) -> list[str]:
+    props = torch.cuda.get_device_properties(0)
+    return [title, f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}",
+            f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}", f"command: {command}", ""]
+
+
+def run_kernels(reps: int, command: str) -> list[str]:
+    lines = header(f"Tree build / accept kernels: device time per call (CUDA events, median of {reps}), "
+                   f"D = {DEPTH}, K = budget, one warp per request", command)
+    lines.append(f"{'batch':>6} {'budget':>7} {'build_us':>10} {'accept_us':>10} {'nodes/tree':>11}")
+    for budget in BUDGETS:
+        for batch in BATCHES:
+            lp, ids = inputs(batch, budget)
+            trees = build_trees(lp, ids, budget, "cuda")
+            post = deepest_posterior(build_trees(lp.cpu(), ids.cpu(), budget, "cpu")).cuda()
+            build = device_us(lambda: build_trees(lp, ids, budget, "cuda", check=False), reps)
+            acc = device_us(lambda: accept(trees, post, "cuda", check=False), reps)
+            nodes = float(trees.num_nodes.float().mean())
+            lines.append(f"{batch:>6} {budget:>7} {build:>10.2f} {acc:>10.2f} {nodes:>11.1f}")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def run_vs_sglang(command: str, budget_s: float) -> list[str]:
+    lines = header("Tree build: SGLang-style CPU path (a) vs cpu backend (b) vs cuda backend (c); "
+                   f"D = {DEPTH}, K = budget; wall time per batch (median), microseconds", command)
+    lines.append("(a) per request: top-k .cpu(), Python heapq build, numpy visibility matrix, tensors back "
+                 "to the GPU (our re-implementation of SGLang's DDTree worker path)")
+    lines.append("(b) top-k to host, C++ build (threads), results back to the GPU;  (c) cuda launch + sync;"
+                 "  c_dev = (c) device time")
+    lines.append("")
+    lines.append(f"{'batch':>6} {'budget':>7} {'a_us':>12} {'b_us':>10} {'c_us':>8} {'c_dev_us':>9} "
+                 f"{'a/c':>9} {'b/c':>7} {'a/c_dev':>9}")
+    for budget in BUDGETS:
+        for batch in BATCHES:
+            lp, ids = inputs(batch, budget, seed=1)
+            t0 = time.perf_counter()
+            sglang_style_build(lp, ids, budget)
+            one = time.perf_counter() - t0
+            reps_a = int(max(3, min(15, budget_s / max(one, 1e-6))))
+            a = wall_us(lambda: sglang_style_build(lp, ids, budget), reps_a, warmup=0)
+            b = wall_us(lambda: cpu_backend_build(lp, ids, budget), 20)
+            c = wall_us(lambda: cuda_backend_build(lp, ids, budget), 200, warmup=10)
+            c_dev = device_us(lambda: build_trees(lp, ids, budget, "cuda", check=False), 200)
+            lines.append(f"{batch:>6} {budget:>7} {a:>12.1f} {b:>10.1f} {c:>8.1f} {c_dev:>9.2f} "
+                         f"{a / c:>9.0f} {b / c:>7.1f} {a / c_dev:>9.0f}")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def run_smoke() -> None:
+    """A few builds and accepts across frontier widths, checked against the cpu backend."""
+    for batch, depth, topk, budget in [(3, 4, 4, 16), (5, 16, 64, 64), (2, 16, 64, 256), (2, 32, 64, 600),
+                                       (1, 16, 1024, 1024)]:
+        for ties in (False, True):
+            lp, ids = random_topk(batch, depth, topk, ties=ties, generator=torch.Generator().manual_seed(budget))
+            want = build_trees(lp, ids, budget, "cpu")
+            got = build_trees(lp.cuda(), ids.cuda(), budget, "cuda")
+            post = deepest_posterior(want)
+            acc = accept(got, post.cuda(), "cuda")
+            assert torch.equal(got.parents.cpu(), want.parents) and torch.equal(got.tokens.cpu(), want.tokens)
+            assert torch.equal(got.mask.cpu().view(torch.int64), want.mask.view(torch.int64))
+            assert torch.equal(acc.path.cpu(), accept(want, post, "cpu").path)
+    torch.cuda.synchronize()
+    print("smoke ok")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/h200"))
+    parser.add_argument("--reps", type=int, default=500, help="kernel launches per device-time median")
+    parser.add_argument("--sglang-seconds", type=float, default=1.5,
+                        help="rough time budget per (a) measurement; sets its repetitions (3..15)")
+    parser.add_argument("--smoke", action="store_true", help="only a small checked workload")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_tree needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.smoke:
+        run_smoke()
+        return 0
+    command = "python benchmarks/bench_tree.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernels.txt").write_text("\n".join(run_kernels(args.reps, command)) + "\n")
+    (args.out / "tree_build_vs_sglang.txt").write_text("\n".join(run_vs_sglang(command, args.sglang_seconds)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
