@@ -265,8 +265,10 @@ class Engine:
                 self._finish(req, FinishReason.CANCELLED, error="deadline exceeded" if expired else "")
 
     def _worst_case_tokens(self, req: _Request, max_new: int) -> int:
-        tail = {Mode.AR: 1, Mode.CHAIN: 1 + self._draft_len(),
-                Mode.DDTREE: 1 + max(self.config.budget.max_budget, req.spec.budget)}[req.mode]
+        """Prompt + new tokens + the widest verify tail: one forward pads every row to the widest
+        tree of the batch (and the cache reserves that width for each row), so any row may need
+        1 + max budget once a drafter is attached, whatever its own mode."""
+        tail = 1 + (max(self.config.budget.max_budget, self._draft_len()) if self.drafter is not None else 0)
         return len(req.spec.prompt_ids) + max_new + tail
 
     def _draft_len(self) -> int:

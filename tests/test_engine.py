@@ -1,0 +1,299 @@
+"""The decode engine on tiny random models, in process: speculative output == ar output.
+
+Greedy: ddtree and chain equal ar token for token over 24 prompts, run as concurrent clients with
+continuous batching (batches of 1..8, requests of different lengths joining and leaving), in
+mixed-mode batches; ar itself equals transformers' DeepseekV3ForCausalLM. Sampling: position-keyed
+Gumbel noise makes ddtree/chain equal ar at T > 0 for the same seed, and a chi-square test checks
+that the third token (chosen by the tree walk) follows the target's exact distribution.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from test_engine_common import EOS, VOCAB, ar_reference, make_pair
+
+from ddtree.engine.backends import LocalDrafter, PeerUnavailable
+from ddtree.engine.budget import BudgetPolicy
+from ddtree.engine.engine import Chunk, EngineConfig, Usage
+from ddtree.engine.loader import ModelSetup, build_local_engine
+from ddtree.engine.request import FinishReason, Mode, Overloaded, validate_request
+from ddtree.engine.scheduler import SchedulerConfig
+
+pytest.importorskip("dflash.model")
+
+CONFIG = EngineConfig(scheduler=SchedulerConfig(max_running=8, max_queue=64, num_pages=256, page_size=8),
+                      budget=BudgetPolicy(tokens_per_step=256, min_budget=8, max_budget=64),
+                      max_tokens_limit=64)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: intra-op threads only add OpenMP wake-up costs (10x slower on a busy 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    target, drafter = models
+    eng = build_local_engine(ModelSetup(target=str(target), drafter=str(drafter)), CONFIG).start()
+    yield eng
+    eng.stop()
+
+
+def prompts(n=24, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB - 2) for _ in range(rng.randint(1, 12))] for _ in range(n)]
+
+
+def collect(handle):
+    tokens, chunks = [], []
+    for ev in handle:
+        if isinstance(ev, Chunk):
+            tokens += ev.token_ids
+            chunks.append(ev)
+        else:
+            return tokens, chunks, ev
+
+
+def run_concurrently(engine, specs):
+    """One client thread per request, all submitted at once (the engine batches them)."""
+    if len(specs) > 48:  # stay under the queue limit
+        return run_concurrently(engine, specs[:48]) + run_concurrently(engine, specs[48:])
+    handles = [engine.submit(s) for s in specs]
+    results = [None] * len(handles)
+
+    def client(i):
+        results[i] = collect(handles[i])
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(handles))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def spec(engine, prompt, mode, n, **kw):
+    return validate_request(prompt, limits=engine.limits, max_tokens=n, mode=mode, ignore_eos=True, **kw)
+
+
+def lengths(i):
+    return 6 + (i * 7) % 17  # different lengths: requests leave and join at different steps
+
+
+def test_ar_equals_transformers(engine, models):
+    for prompt in prompts(3, seed=5):
+        tokens, _, usage = collect(engine.submit(spec(engine, prompt, "ar", 10)))
+        assert tokens == ar_reference(models[0], prompt, 10)
+        assert usage.target_forwards == 10 and usage.steps == 9
+
+
+def test_greedy_speculation_equals_ar_with_concurrent_clients_and_mixed_modes(engine):
+    ps = prompts()
+    ar = run_concurrently(engine, [spec(engine, p, "ar", lengths(i)) for i, p in enumerate(ps)])
+    expected = [r[0] for r in ar]
+    assert all(len(e) == lengths(i) for i, e in enumerate(expected))
+    for modes in (["ddtree"], ["chain"], ["ddtree", "chain", "ar"]):
+        results = run_concurrently(engine, [spec(engine, p, modes[i % len(modes)], lengths(i)) for i, p in enumerate(ps)])
+        for i, (tokens, chunks, usage) in enumerate(results):
+            assert tokens == expected[i], f"prompt {i} in mode {modes[i % len(modes)]}"
+            assert usage.finish_reason is FinishReason.LENGTH and usage.completion_tokens == lengths(i)
+            assert sum(c.accepted_length for c in chunks) >= len(tokens)
+        if modes == ["ddtree"]:
+            mean = sum(r[2].mean_acceptance_length for r in results) / len(results)
+            assert mean > 1.3, f"trees over a 32-token vocabulary should often accept >= 2 tokens, got {mean}"
+            assert any(max(c.accepted_length for c in r[1][1:]) >= 3 for r in results), "no multi-node path accepted"
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_batch_sizes(engine, batch):
+    ps = prompts(batch, seed=batch)
+    ar = [r[0] for r in run_concurrently(engine, [spec(engine, p, "ar", 12) for p in ps])]
+    for mode in ("ddtree", "chain"):
+        got = [r[0] for r in run_concurrently(engine, [spec(engine, p, mode, 12) for p in ps])]
+        assert got == ar
+
+
+def test_sampling_is_reproducible_and_equal_across_modes(engine):
+    ps = prompts(6, seed=11)
+    for seed in (0, 1):
+        kw = dict(temperature=0.9, top_p=0.95, top_k=20, seed=seed)
+        ar = [r[0] for r in run_concurrently(engine, [spec(engine, p, "ar", 16, **kw) for p in ps])]
+        again = [r[0] for r in run_concurrently(engine, [spec(engine, p, "ar", 16, **kw) for p in ps])]
+        mixed = [r[0] for r in run_concurrently(
+            engine, [spec(engine, p, ("ddtree", "chain")[i % 2], 16, **kw) for i, p in enumerate(ps)])]
+        assert ar == again == mixed
+    other = collect(engine.submit(spec(engine, ps[0], "ddtree", 16, temperature=0.9, seed=2)))[0]
+    assert other != ar[0]
+
+
+def test_tree_walk_samples_follow_the_target_distribution(engine, models):
+    """Chi-square on token 3 (chosen inside the tree when the walk goes deep) vs the exact marginal.
+
+    The exact marginal sums p(t1) p(t2|t1) p(t3|t1,t2) over all 32 x 32 (t1, t2) with
+    transformers' model. False-alarm rate: alpha = 1e-3 (the seeds are fixed, so the test is
+    deterministic; a wrong sampler is rejected at chi2 far above the threshold).
+    """
+    from transformers import DeepseekV3ForCausalLM
+
+    from ddtree.models.sampling import SamplingParams, target_probs
+
+    prompt, temp, n = [3, 1, 4, 1, 5], 1.0, 320
+    params = SamplingParams(temperature=temp)
+    got = torch.zeros(VOCAB)
+    results = run_concurrently(engine, [spec(engine, prompt, "ddtree", 3, temperature=temp, seed=1000 + s)
+                                        for s in range(n)])
+    for tokens, _, _ in results:
+        got[tokens[2]] += 1
+    hf = DeepseekV3ForCausalLM.from_pretrained(models[0]).eval()
+    with torch.no_grad():
+        p1 = target_probs(hf(torch.tensor([prompt])).logits[0, -1:], params)[0]
+        seq2 = torch.tensor([prompt + [a] for a in range(VOCAB)])
+        p2 = target_probs(hf(seq2).logits[:, -1], params)                        # [t1, t2]
+        seq3 = torch.tensor([prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)])
+        p3 = target_probs(hf(seq3).logits[:, -1], params).view(VOCAB, VOCAB, VOCAB)
+    expected = torch.einsum("a,ab,abc->c", p1.double(), p2.double(), p3.double()) * n
+    keep = expected >= 5
+    obs, exp = got[keep].double(), expected[keep]
+    if (~keep).any():  # rare tokens pooled into one bin
+        obs, exp = torch.cat([obs, got[~keep].sum()[None]]), torch.cat([exp, expected[~keep].sum()[None]])
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    dof = int(obs.numel()) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                            torch.tensor(chi2 / 2, dtype=torch.float64)))
+    assert p_value > 1e-3, f"chi2 {chi2:.1f} with {dof} dof: p = {p_value:.2e}"
+    assert got.sum() == n
+
+
+def test_stop_conditions_through_the_engine(engine):
+    p = prompts(1, seed=3)[0]
+    full, _, _ = collect(engine.submit(spec(engine, p, "ddtree", 20)))
+    stop_at = full[5]
+    tokens, _, usage = collect(engine.submit(validate_request(p, limits=engine.limits, max_tokens=20, mode="ddtree",
+                                                              stop_token_ids=[stop_at], ignore_eos=True)))
+    assert tokens == full[:full.index(stop_at) + 1] and usage.finish_reason is FinishReason.STOP
+    tokens, _, usage = collect(engine.submit(validate_request(p, limits=engine.limits, max_tokens=20, mode="chain")))
+    if EOS in full:
+        assert tokens == full[:full.index(EOS) + 1] and usage.finish_reason is FinishReason.EOS
+    else:
+        assert tokens == full and usage.finish_reason is FinishReason.LENGTH
+    text = engine.tokenizer.decode(full)
+    needle = text[3:5] if len(text) >= 5 else text
+    tokens, chunks, usage = collect(engine.submit(validate_request(
+        p, limits=engine.limits, max_tokens=20, mode="ddtree", stop_strings=[needle], ignore_eos=True)))
+    streamed = "".join(c.text for c in chunks)
+    assert streamed.endswith(needle) and needle not in streamed[:-1] and usage.finish_reason is FinishReason.STOP
+
+
+def _idle(engine, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not engine._requests and engine.scheduler.free_pages == CONFIG.scheduler.num_pages:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_cancel_and_deadline_free_kv_and_drafter_state(engine):
+    cache = engine.target.model.cache
+    handle = engine.submit(spec(engine, [1, 2, 3], "ddtree", 60))
+    it = iter(handle)
+    assert isinstance(next(it), Chunk)
+    handle.cancel()
+    events = list(it)
+    assert events[-1].finish_reason is FinishReason.CANCELLED
+    expired = engine.submit(validate_request([1, 2, 3], limits=engine.limits, max_tokens=60, mode="chain",
+                                             ignore_eos=True, deadline=time.monotonic() + 0.05))
+    assert collect(expired)[2].finish_reason is FinishReason.CANCELLED
+    assert _idle(engine)
+    assert cache.allocator.num_free == cache.allocator.num_pages
+    assert len(engine.drafter.cache) == 0 and engine.drafter.cache.free_pages == engine.drafter.cache.num_pages
+
+
+def test_backpressure_and_capacity(models):
+    target, drafter = models
+    small = EngineConfig(scheduler=SchedulerConfig(max_running=1, max_queue=2, num_pages=12, page_size=8),
+                         budget=BudgetPolicy(min_budget=4, max_budget=16), max_tokens_limit=64)
+    eng = build_local_engine(ModelSetup(target=str(target), drafter=str(drafter)), small)  # not started yet
+    try:
+        with pytest.raises(Overloaded, match="needs 16 KV pages"):
+            eng.submit(spec(eng, [1] * 40, "ddtree", 64))  # 40 + 64 + 17 tokens > 12 pages of 8
+        handles = [eng.submit(spec(eng, [1, 2], "ddtree", 30)), eng.submit(spec(eng, [1, 2], "ar", 30))]
+        with pytest.raises(Overloaded, match="2 requests queued"):
+            eng.submit(spec(eng, [1, 2], "ar", 30))
+        eng.start()
+        outs = [collect(h)[0] for h in handles]
+        assert outs[0] == outs[1] and len(outs[0]) == 30  # the queued requests ran, unharmed
+    finally:
+        eng.stop()
+
+
+class FailingDrafter(LocalDrafter):
+    """The real in-process drafter, made unreachable after `ok_calls` drafts (a crashed peer)."""
+
+    def __init__(self, inner: LocalDrafter, ok_calls: int):
+        super().__init__(inner.model, inner.cache, inner.name)
+        self.ok_calls = ok_calls
+
+    def draft(self, step_id, items, k):
+        if self.ok_calls <= 0:
+            raise PeerUnavailable("drafter: connection refused")
+        self.ok_calls -= 1
+        return super().draft(step_id, items, k)
+
+    def release(self, request_ids):
+        if self.ok_calls <= 0:
+            raise PeerUnavailable("drafter: connection refused")
+        super().release(request_ids)
+
+
+def test_drafter_failure_degrades_to_ar_and_output_is_unchanged(engine, models):
+    target, drafter = models
+    ps = prompts(4, seed=21)
+    expected = [r[0] for r in run_concurrently(engine, [spec(engine, p, "ar", 14) for p in ps])]
+    cfg = EngineConfig(scheduler=CONFIG.scheduler, budget=CONFIG.budget, max_tokens_limit=64, reattach_after_s=0.3)
+    from ddtree.engine.loader import load_target, local_drafter
+
+    setup = ModelSetup(target=str(target), drafter=str(drafter))
+    tgt = load_target(setup, cfg)
+    flaky = FailingDrafter(local_drafter(setup, tgt, cfg), ok_calls=3)
+    eng = build_local_engine(setup, cfg, target=tgt, drafter=flaky).start()
+    try:
+        results = run_concurrently(eng, [spec(eng, p, "ddtree", 14) for p in ps])
+        assert [r[0] for r in results] == expected
+        for _, chunks, usage in results:
+            assert usage.mode is Mode.AR and "drafter unavailable" in usage.degradation
+            assert "drafter unavailable" in chunks[-1].degradation
+        flaky.ok_calls = 10**6  # the peer is back: new requests speculate again after reattach_after_s
+        time.sleep(0.4)
+        tokens, _, usage = collect(eng.submit(spec(eng, ps[0], "ddtree", 14)))
+        assert tokens == expected[0] and usage.mode is Mode.DDTREE and usage.degradation == ""
+    finally:
+        eng.stop()
+
+
+def test_server_choice_falls_back_to_ar_when_speculation_does_not_pay(models):
+    target, drafter = models
+    cfg = EngineConfig(scheduler=CONFIG.scheduler, max_tokens_limit=64,
+                       budget=BudgetPolicy(min_budget=4, max_budget=4, ar_below_acceptance=5.0, ar_after_steps=3))
+    eng = build_local_engine(ModelSetup(target=str(target), drafter=str(drafter)), cfg).start()
+    try:
+        ar = collect(eng.submit(spec(eng, [5, 6, 7], "ar", 20)))[0]
+        tokens, _, usage = collect(eng.submit(spec(eng, [5, 6, 7], None, 20)))
+        assert tokens == ar and usage.mode is Mode.AR and usage.steps > 3
+        tokens, _, usage = collect(eng.submit(spec(eng, [5, 6, 7], "ddtree", 20)))
+        assert tokens == ar and usage.mode is Mode.DDTREE  # an explicit mode is kept
+    finally:
+        eng.stop()
