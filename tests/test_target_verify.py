@@ -217,6 +217,8 @@ def test_verify_rejects_malformed_trees(checkpoint):
         model.verify([0], torch.tensor([1]), tokens, depths * 0, mask)
     with pytest.raises(ValueError, match="unknown sequence"):
         model.verify([5], torch.tensor([1]), tokens, depths, mask)
+    with pytest.raises(ValueError, match="distinct"):
+        model.commit([0, 0], torch.zeros(2, 1, dtype=torch.int64))
     with pytest.raises(CacheFullError):
         model.prefill(0, torch.arange(64))
     assert model.cache.length(0) == 3 and math.isfinite(float(model.verify([0], torch.tensor([1]), tokens, depths, mask).posterior.sum()))
