@@ -110,9 +110,16 @@ def test_int4_packing_matches_compressed_tensors_golden_vector():
     assert torch.equal(quant.unpack_int4(packed, 10), q)
 
 
+@pytest.fixture(params=["one chunk", "row-sized chunks"])
+def chunking(request, monkeypatch):
+    """Dequantize whole (tiny) matrices at once, or in the smallest chunks (one block row / row)."""
+    if request.param == "row-sized chunks":
+        monkeypatch.setattr(quant, "_CHUNK_ELEMS", 1)
+
+
 @pytest.mark.parametrize("shape", [(200, 300), (128, 256), (5, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fp8_round_trip_equals_float64_reference(tmp_path, shape, dtype):
+def test_fp8_round_trip_equals_float64_reference(tmp_path, shape, dtype, chunking):
     torch.manual_seed(0)
     w = torch.randn(shape) * torch.logspace(-3, 1, shape[0])[:, None]  # blocks with very different scales
     w[:3, :3] = 0.0
@@ -144,7 +151,7 @@ def test_fp8_block_size_comes_from_config(tmp_path):
 
 @pytest.mark.parametrize("shape", [(10, 70), (64, 96), (3, 8), (4, 1)])
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
-def test_int4_round_trip_equals_float64_reference(tmp_path, shape, scale_dtype):
+def test_int4_round_trip_equals_float64_reference(tmp_path, shape, scale_dtype, chunking):
     torch.manual_seed(2)
     w = torch.randn(shape) * 0.05
     packed, scale, wshape = quant.pack_int4_group32(w, scale_dtype=scale_dtype)

@@ -11,8 +11,8 @@
   first); padding columns are zero. The real weight is ``q * scale[row, col // group]``
   (compressed-tensors ``pack_to_int32`` / ``unpack_from_int32`` / ``calculate_qparams``).
 
-Dequantization works on blocks of rows so the float32 temporaries stay small whatever the
-matrix size. The quantizers exist so tests can write quantized copies of tiny checkpoints.
+Dequantization works on chunks of rows so the float32 temporaries stay under 16 MiB whatever
+the matrix size. The quantizers exist so tests can write quantized copies of tiny checkpoints.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ FP8_BLOCK = (128, 128)
 INT4_GROUP = 32
 INT4_PACK = 8  # int4 values per int32 word
 _INT4_OFFSET = 8  # offset-binary: stored nibble = q + 8
-_ROWS_PER_CHUNK = 256
+_CHUNK_ELEMS = 1 << 22  # float32 temporaries of at most 16 MiB per chunk
 
 
 def _check_matrix(t: torch.Tensor, what: str) -> None:
@@ -84,13 +84,18 @@ def dequantize_fp8_block(
     bo, bi = block
     scale = scale_inv.float()
     out = torch.empty(out_dim, in_dim, dtype=dtype, device=w.device)
-    for b, r0 in enumerate(range(0, out_dim, bo)):  # one block row at a time: small temporaries
-        r1 = min(r0 + bo, out_dim)
-        col_scale = scale[b].repeat_interleave(bi)[:in_dim]
-        if dtype == torch.float32:
-            out[r0:r1].copy_(w[r0:r1]).mul_(col_scale)
-        else:
-            out[r0:r1] = w[r0:r1].float().mul_(col_scale)
+    per_chunk = max(1, _CHUNK_ELEMS // (bo * max(in_dim, 1)))  # block rows per chunk
+    for b0 in range(0, scale.shape[0], per_chunk):
+        b1 = min(b0 + per_chunk, scale.shape[0])
+        r0, r1 = b0 * bo, min(b1 * bo, out_dim)
+        col_scale = scale[b0:b1].repeat_interleave(bi, dim=1)[:, :in_dim]  # [block rows, in]
+        chunk = out[r0:r1].copy_(w[r0:r1]) if dtype == torch.float32 else w[r0:r1].float()
+        if r1 - r0 == (b1 - b0) * bo:
+            chunk.view(b1 - b0, bo, in_dim).mul_(col_scale.unsqueeze(1))
+        else:  # the last block row is partial
+            chunk.mul_(col_scale.repeat_interleave(bo, dim=0)[: r1 - r0])
+        if dtype != torch.float32:
+            out[r0:r1] = chunk
     return out
 
 
@@ -179,8 +184,9 @@ def dequantize_int4_group(
     n_groups = scale.shape[1]
     width = n_groups * group_size  # columns covered by the scales, >= in_dim
     out = torch.empty(out_dim, in_dim, dtype=dtype, device=packed.device)
-    for r0 in range(0, out_dim, _ROWS_PER_CHUNK):
-        r1 = min(r0 + _ROWS_PER_CHUNK, out_dim)
+    rows = max(1, _CHUNK_ELEMS // width)
+    for r0 in range(0, out_dim, rows):
+        r1 = min(r0 + rows, out_dim)
         nib = _nibbles(packed[r0:r1])
         nib = nib[:, :width] if nib.shape[1] >= width else torch.nn.functional.pad(nib, (0, width - nib.shape[1]))
         q = nib.float().sub_(_INT4_OFFSET).view(r1 - r0, n_groups, group_size)
