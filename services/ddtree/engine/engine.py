@@ -459,6 +459,10 @@ class Engine:
         with self._wake:
             self._requests.pop(req.id, None)
         mean = req.committed / req.steps if req.steps else 0.0
+        log.info("request %s finished: %s (%d tokens, %d steps, mode %s)%s", req.id, reason.value,
+                 req.stop.generated, req.steps, req.mode.value, f": {error}" if error else "",
+                 extra={"request_id": req.id, "client_request_id": req.spec.client_request_id,
+                        "finish_reason": reason.value, "degradation": req.degradation})
         usage = Usage(prompt_tokens=len(req.spec.prompt_ids), completion_tokens=req.stop.generated,
                       steps=req.steps, target_forwards=req.target_forwards, mean_acceptance_length=mean,
                       finish_reason=reason, ttft_ms=req.ttft_ms, mode=req.mode, degradation=req.degradation,

@@ -150,7 +150,7 @@ def serve(args, provider, log: logging.Logger) -> int:
             log.error("verify stopped: %s", message)
             os._exit(1)
         supervisor.watch(on_rank_death)
-    server.install_signal_handlers(on_stop=engine.stop)
+    server.install_signal_handlers()  # in-flight streams get the grace period, then the engine stops
     server.set_serving(True)
     log.info("verify serving on %s:%d: target %s (tp %d), modes %s", args.host, port, target.name, target.tp_size,
              [m.value for m in engine.modes], extra={"port": port, "tp": target.tp_size})
@@ -169,3 +169,15 @@ def serve(args, provider, log: logging.Logger) -> int:
             target.model.stop_followers()
         supervisor.stop()
     return exit_code[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ddtree.verify.main ...` (same flags as `ddtree serve verify`)."""
+    parser = argparse.ArgumentParser(prog="ddtree serve verify", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_verify_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,262 @@
+"""The verify service as a real subprocess over real gRPC (drafter in process).
+
+Streaming, speculative == ar, GetModelInfo, every bad input -> INVALID_ARGUMENT, backpressure ->
+RESOURCE_EXHAUSTED, cancel and deadline reach the engine; TP=2 over gloo with TLS equals TP=1,
+and a killed follower rank stops the service cleanly.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from test_engine_common import VOCAB, make_pair
+
+from ddtree.grpc_options import channel_options
+from ddtree.v1 import generation_pb2 as pb
+from ddtree.v1 import generation_pb2_grpc
+
+pytest.importorskip("dflash.model")
+
+
+class Service:
+    """A `python -m <module>` server; its log (stderr) is collected for assertions."""
+
+    def __init__(self, module: str, args: list[str], env: dict, name: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.name, self.lines, self.port = name, [], None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
+        threading.Thread(target=self._read, args=(self.proc.stderr,), daemon=True).start()
+
+    def _read(self, stream):
+        for line in stream:
+            self.lines.append(line)
+            m = re.search(r"listening on [\w.\-\[\]:]+:(\d+)$", line.strip())
+            if m and "verify" in line:
+                self.port = int(m.group(1))
+                self._ready.set()
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def wait_ready(self, timeout=120.0, tls_ca=None):
+        if not self._ready.wait(timeout):
+            self.stop()
+            raise AssertionError(f"{self.name} did not start:\n{self.log()}")
+        with channel(self.port, tls_ca) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        raise AssertionError(f"{self.name} never became SERVING:\n{self.log()}")
+
+    def wait_log(self, needle: str, timeout=10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if needle in self.log():
+                return True
+            time.sleep(0.05)
+        return False
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def channel(port, tls_ca=None):
+    if tls_ca:
+        with open(tls_ca, "rb") as fh:
+            creds = grpc.ssl_channel_credentials(root_certificates=fh.read())
+        return grpc.secure_channel(f"localhost:{port}", creds, options=channel_options())
+    return grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
+
+
+def service_env(subprocess_env):
+    env = dict(subprocess_env)
+    env["OMP_NUM_THREADS"] = "1"  # tiny models: OpenMP wake-ups cost more than they save
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "services"), str(root / "clients"), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def verify(models, tmp_path_factory):
+    env = service_env({k: v for k, v in os.environ.items()
+                       if not k.startswith(("OTEL_EXPORTER", "DDTREE_TRACE_FILE"))} | {"PYTHONUNBUFFERED": "1"})
+    target, drafter = models
+    svc = Service("ddtree.verify.main", ["--target", str(target), "--drafter", str(drafter), "--port", "0",
+                                         "--max-running", "1", "--max-queue", "1", "--max-tokens-limit", "200",
+                                         "--max-budget", "32", "--num-pages", "512", "--page-size", "8"],
+                  env, "verify")
+    yield svc.wait_ready()
+    svc.stop()
+    assert svc.proc.returncode == 0, svc.log()
+
+
+def generate(port, prompt, mode=pb.MODE_DDTREE, timeout=60, **sampling):
+    with channel(port) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(**sampling),
+                                 speculation=pb.SpeculationParams(mode=mode))
+        chunks = list(stub.Generate(req, timeout=timeout))
+    return [t for c in chunks for t in c.token_ids], chunks
+
+
+def test_model_info(verify):
+    with channel(verify.port) as ch:
+        info = generation_pb2_grpc.GenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.model == "target" and info.model_type == "deepseek_v3" and info.vocab_size == VOCAB
+    assert info.drafter == "drafter" and info.block_size == 5 and info.tp_size == 1
+    assert set(info.modes) == {pb.MODE_DDTREE, pb.MODE_CHAIN, pb.MODE_AR} and info.tokenizer == "byte"
+    assert info.max_budget == 32 and info.max_tokens_limit == 200 and info.max_context == 256
+
+
+def test_stream_speculation_equals_ar(verify):
+    for prompt in ([1, 2, 3], [7], [4, 4, 9, 12, 3, 1]):
+        ar, _ = generate(verify.port, prompt, pb.MODE_AR, max_tokens=16, ignore_eos=True)
+        for mode in (pb.MODE_DDTREE, pb.MODE_CHAIN):
+            tokens, chunks = generate(verify.port, prompt, mode, max_tokens=16, ignore_eos=True)
+            assert tokens == ar
+            usage = chunks[-1].usage
+            assert chunks[-1].HasField("usage") and not any(c.HasField("usage") for c in chunks[:-1])
+            assert usage.completion_tokens == 16 and usage.prompt_tokens == len(prompt) and usage.mode == mode
+            assert usage.finish_reason == pb.FINISH_REASON_LENGTH and usage.ttft_ms > 0
+            assert usage.target_forwards == usage.steps + 1
+            assert [c.accepted_length for c in chunks[:-1]][0] == 1  # the prefill's token
+
+
+def test_text_prompt_uses_the_byte_tokenizer(verify):
+    with channel(verify.port) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        chunks = list(stub.Generate(pb.GenerateRequest(text="\x01\x02\x03", sampling=pb.SamplingParams(
+            max_tokens=4, ignore_eos=True)), timeout=60))
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == generate(verify.port, [1, 2, 3], pb.MODE_UNSPECIFIED, max_tokens=4, ignore_eos=True)[0]
+    assert "".join(c.text for c in chunks) == bytes(tokens).decode("utf-8", "replace")
+
+
+OK = pb.TokenIds(ids=[1, 2])
+BAD = [
+    (dict(token_ids=pb.TokenIds(ids=[])), "prompt is empty"),
+    (dict(), "prompt is empty"),
+    (dict(text="hello"), "outside the vocabulary of 32"),
+    (dict(token_ids=pb.TokenIds(ids=[1] * 256)), "the context holds 256"),
+    (dict(token_ids=pb.TokenIds(ids=[1, 32])), "token id 32 is outside"),
+    (dict(token_ids=OK, sampling=pb.SamplingParams(max_tokens=-3)), "max_tokens must be"),
+    (dict(token_ids=OK, sampling=pb.SamplingParams(max_tokens=201)), "max_tokens must be in 1..200"),
+    (dict(token_ids=OK, sampling=pb.SamplingParams(temperature=-1)), "temperature must be"),
+    (dict(token_ids=OK, sampling=pb.SamplingParams(temperature=float("nan"))), "temperature must be"),
+    (dict(token_ids=OK, sampling=pb.SamplingParams(top_p=1.5)), "top_p must be in"),
+    (dict(token_ids=OK, speculation=pb.SpeculationParams(budget=33)), "budget must be in 0..32"),
+    (dict(token_ids=OK, speculation=pb.SpeculationParams(budget=-1)), "budget must be in 0..32"),
+    (dict(token_ids=OK, speculation=pb.SpeculationParams(mode=9)), "unknown mode"),
+]
+
+
+@pytest.mark.parametrize("fields, message", BAD, ids=[f"{i}-{m}" for i, (_, m) in enumerate(BAD)])
+def test_bad_input_is_invalid_argument(verify, fields, message):
+    with channel(verify.port) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list(generation_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(**fields), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert message in err.value.details()
+    assert "Traceback" not in err.value.details()
+
+
+def test_backpressure_cancel_and_deadline(verify):
+    with channel(verify.port) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), client_request_id="long-1",
+                                 sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True),
+                                 speculation=pb.SpeculationParams(mode=pb.MODE_AR))
+        running = stub.Generate(req, timeout=120)
+        next(running)                         # admitted: the only running slot
+        queued = stub.Generate(req, timeout=120)  # waits in the queue (limit 1)
+        time.sleep(0.5)  # let the second request reach the queue
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(req, timeout=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queued" in err.value.details()
+        running.cancel()
+        queued.cancel()
+    assert verify.wait_log("finished: cancelled"), verify.log()[-3000:]
+    cancelled = verify.log().count("finished: cancelled")
+    with channel(verify.port) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3]), sampling=pb.SamplingParams(
+                max_tokens=200, ignore_eos=True), speculation=pb.SpeculationParams(mode=pb.MODE_AR)), timeout=0.3))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 10
+    while verify.log().count("finished: cancelled") <= cancelled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert verify.log().count("finished: cancelled") > cancelled
+    # the service still serves normally afterwards
+    assert len(generate(verify.port, [5, 6], pb.MODE_DDTREE, max_tokens=8, ignore_eos=True)[0]) == 8
+
+
+def _tls_files(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def test_tensor_parallel_two_ranks_with_tls_and_a_dead_rank(models, verify, tmp_path, subprocess_env):
+    target, _ = models
+    cert, key = _tls_files(tmp_path)
+    env = service_env(subprocess_env)
+    svc = Service("ddtree.verify.main", ["--target", str(target), "--tp", "2", "--device", "cpu", "--port", "0",
+                                         "--tls-cert", str(cert), "--tls-key", str(key), "--num-pages", "256",
+                                         "--page-size", "8"], env, "verify-tp2")
+    try:
+        svc.wait_ready(tls_ca=str(cert))
+        prompts = ([1, 2, 3], [9, 8, 7, 6])
+        with channel(svc.port, str(cert)) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).tp_size == 2
+            for prompt in prompts:
+                chunks = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+                    max_tokens=12, ignore_eos=True)), timeout=60))
+                tp2 = [t for c in chunks for t in c.token_ids]
+                assert tp2 == generate(verify.port, prompt, pb.MODE_AR, max_tokens=12, ignore_eos=True)[0]
+        with pytest.raises(grpc.RpcError):  # plaintext to a TLS port fails
+            with channel(svc.port) as ch:
+                generation_pb2_grpc.GenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=3)
+        follower = re.search(r"pids \{1: (\d+)\}", svc.log())
+        assert follower, svc.log()
+        os.kill(int(follower.group(1)), signal.SIGKILL)
+        assert svc.proc.wait(30) == 1
+        assert "tensor-parallel rank 1" in svc.log() and "stopping the verify service" in svc.log()
+    finally:
+        svc.stop()
