@@ -58,8 +58,8 @@ def build_server(args: argparse.Namespace, tracer_provider=None):
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    if str(device).startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
+    if torch.device(device).index is not None:
+        torch.cuda.set_device(torch.device(device))  # regions, events and the model on one GPU
     model = load_drafter(args.drafter, args.target, dtype=dtype, device=device,
                          yarn_attention_factor=_yarn_rule(args.yarn_attention_factor))
     pages = DrafterContextCache.pages_for_tokens(args.cache_tokens, args.page_size)

@@ -53,12 +53,17 @@ class Rotary(nn.Module):
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
-        # The frequencies as transformers computes them; the cos/sin scale is the config's explicit choice.
-        self.register_buffer("inv_freq", rope_inv_freq(config.rope, config.head_dim)[0], persistent=False)
+        # The frequencies as transformers computes them; the cos/sin scale is the config's explicit
+        # choice. Kept in float32 outside the module's buffers, so .to(bfloat16) cannot round them.
+        self.inv_freq = rope_inv_freq(config.rope, config.head_dim)[0]
         self.scale = config.rope_attention_factor
+        self._on_device: dict[torch.device, Tensor] = {}
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq
+        inv_freq = self._on_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
@@ -90,14 +95,18 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
         """x [B, S, hidden]; ctx_k/v [B, P, kv_heads, head_dim]; mask [B, 1, S, P + S] (True: attend)."""
+        bsz, s = x.shape[:2]
+        group = self.heads // self.kv_heads
         q = apply_rope(self.q_norm(self.q_proj(x).unflatten(-1, (self.heads, self.head_dim))), cos, sin)
         k, v = self.key_value(x, cos, sin)
-        k = torch.cat((ctx_k, k), dim=1)
-        v = torch.cat((ctx_v, v), dim=1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-            scale=self.head_dim**-0.5, enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(out.transpose(1, 2).flatten(2))
+        k = torch.cat((ctx_k, k), dim=1).transpose(1, 2)
+        v = torch.cat((ctx_v, v), dim=1).transpose(1, 2)
+        # GQA without repeating keys/values: the `group` query heads sharing a kv head become
+        # group * S query rows of that head (head h uses kv head h // group, as transformers).
+        q = q.view(bsz, s, self.kv_heads, group, self.head_dim).permute(0, 2, 3, 1, 4).reshape(bsz, self.kv_heads, group * s, self.head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, 1, group, 1), scale=self.head_dim**-0.5)
+        out = out.view(bsz, self.kv_heads, group, s, self.head_dim).permute(0, 3, 1, 2, 4)
+        return self.o_proj(out.reshape(bsz, s, self.heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -232,9 +241,9 @@ class DrafterContextCache:
 
     def layer_kv(self, layer: int, page_table: Tensor) -> tuple[Tensor, Tensor]:
         """Padded context keys/values of one layer: [B, pages * page_size, kv_heads, head_dim]."""
-        k = self.k[layer][page_table].flatten(1, 2)
-        v = self.v[layer][page_table].flatten(1, 2)
-        return k, v
+        shape = (page_table.shape[0], page_table.shape[1] * self.page_size, *self.k.shape[3:])
+        flat = page_table.reshape(-1)
+        return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape)
 
 
 # ---- top-k over the (possibly sharded) vocabulary ----------------------------------------------
@@ -323,7 +332,7 @@ class DFlashDrafter(nn.Module):
         index = CheckpointIndex(path, prefix="model.", ignore_prefixes=("embed_tokens.", "lm_head."))
         check_names({name: tuple(t.shape) for name, t in model.state_dict().items()}, index)
         model.load_state_dict(dict(index.iter_tensors(dtype, device=device)), assign=True, strict=True)
-        model.rotary.inv_freq = rope_inv_freq(config.rope, config.head_dim)[0].to(device)
+        model.rotary.inv_freq = rope_inv_freq(config.rope, config.head_dim)[0]  # built on meta above
         log.info("loaded DFlash drafter from %s: %d layers, block %d, %d target layers, yarn attention "
                  "factor %.4f (%s)", path, config.num_hidden_layers, config.block_size,
                  len(config.target_layer_ids), config.rope_attention_factor, config.yarn_attention_factor_rule)
