@@ -106,7 +106,8 @@ def test_loadtest_at_concurrency_1_and_4_is_consistent(stack, tmp_path, capsys):
         assert (lv["requests"], lv["errors"]) == (8, 0)
         assert lv["tokens"] == 8 * MAX_TOKENS                                    # tokens add up
         assert lv["agg_tok_s"] == pytest.approx(lv["tokens"] / lv["wall_s"])     # tok/s = tokens / wall
-        assert lv["per_req_tok_s"] * conc >= lv["agg_tok_s"] * 0.5               # concurrency shares the wall
+        # At most `conc` requests overlap, so the mean per-request rate times conc bounds agg (Jensen).
+        assert lv["per_req_tok_s"] * conc >= lv["agg_tok_s"] * 0.999
         steps = sum(lv["acceptance_hist"].values())
         committed = sum(int(k) * v for k, v in lv["acceptance_hist"].items())
         # Steps commit every token but the prefills'; a last step may commit past max_tokens
