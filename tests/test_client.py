@@ -242,6 +242,9 @@ def test_loadtest_errors_are_counted_and_reported(scripted, tmp_path, capsys):
     assert "cannot read prompts file" in capsys.readouterr().err
     assert cli.main(["loadtest", "--target", scripted.target, "--mode", "ddtree,beam", "--no-progress"]) == 2
     assert "unknown mode 'beam'" in capsys.readouterr().err
+    with socket_closed_port() as port:
+        assert cli.main(["loadtest", "--target", f"127.0.0.1:{port}", "--timeout", "1", "--no-progress"]) == 2
+    assert f"cannot connect to 127.0.0.1:{port}" in capsys.readouterr().err
 
 
 def test_client_modules_import_no_torch():
