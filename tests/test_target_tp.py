@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from test_target_common import CONFIGS, make_checkpoint
-from test_target_verify import random_trees
+from test_target_trees import random_trees
 
 from ddtree.models import TargetModel, TensorParallel
 
@@ -82,6 +81,8 @@ def _free_port() -> int:
 
 
 def test_tp2_gloo_equals_tp1(tmp_path):
+    from test_target_common import CONFIGS, make_checkpoint  # here, not at import: spawned ranks skip transformers
+
     make_checkpoint(tmp_path, **CONFIGS["qlora_moe_groups_yarn"])
     mp.spawn(_worker, args=(2, str(tmp_path), _free_port()), nprocs=2, join=True)
 
@@ -90,6 +91,8 @@ def test_tp2_gloo_equals_tp1(tmp_path):
 def test_tp2_nccl_equals_tp1(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
+    from test_target_common import CONFIGS, make_checkpoint
+
     make_checkpoint(tmp_path, **CONFIGS["qlora_moe_groups_yarn"])
     mp.spawn(_worker, args=(2, str(tmp_path), _free_port(), "nccl"), nprocs=2, join=True)
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from test_target_common import CONFIGS, make_checkpoint
+from test_target_trees import node_tokens, path_to, random_trees
 
 from ddtree.models import SamplingParams, TargetModel
 from ddtree.models.kv_cache import CacheFullError, LatentKVCache
@@ -16,44 +17,11 @@ from ddtree.models.sampling import sample_tokens, target_probs
 FEATURE_LAYERS = (0, 2)
 
 
-def random_trees(sizes: list[int], vocab: int, gen: torch.Generator):
-    """Random parent arrays (parent < child) -> tree_tokens/depths [B, N] (-1/0 padding),
-    ancestor bitmask [B, N+1, words] uint64 (padding rows empty), parents [B, N+1]."""
-    b, n = len(sizes), max(sizes)
-    tokens = torch.full((b, n), -1, dtype=torch.int64)
-    depths = torch.zeros(b, n, dtype=torch.int64)
-    parents = torch.full((b, n + 1), -1, dtype=torch.int64)
-    visible = torch.zeros(b, n + 1, n + 1, dtype=torch.bool)
-    for r, size in enumerate(sizes):
-        depth = [0]
-        visible[r, 0, 0] = True
-        for i in range(1, size + 1):
-            p = int(torch.randint(0, i, (1,), generator=gen))
-            parents[r, i] = p
-            depth.append(depth[p] + 1)
-            visible[r, i] = visible[r, p]
-            visible[r, i, i] = True
-        tokens[r, :size] = torch.randint(0, vocab, (size,), generator=gen)
-        depths[r, :size] = torch.tensor(depth[1:], dtype=torch.int64)
-    return tokens, depths, pack_bitmask(visible).view(torch.uint64), parents
-
-
-def path_to(parents: torch.Tensor, node: int) -> list[int]:
-    path = [node]
-    while path[-1] != 0:
-        path.append(int(parents[path[-1]]))
-    return path[::-1]
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("target")
     hf = make_checkpoint(path, **CONFIGS["qlora_moe_groups_yarn"])
     return path, hf
-
-
-def node_tokens(root, tokens, b, path):
-    return [int(root[b])] + [int(tokens[b, i - 1]) for i in path[1:]]
 
 
 def test_tree_verify_matches_causal_forward_then_commit_and_continue(checkpoint):
