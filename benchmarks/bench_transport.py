@@ -79,8 +79,11 @@ def start_server(device: str, kind: str):
     proc = subprocess.Popen([sys.executable, "-m", "ddtree.transport.probe_server", "--kind", kind,
                              "--device", device, "--peer-id", "bench-server"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    info = json.loads(proc.stdout.readline())
-    return proc, info
+    line = proc.stdout.readline()
+    if not line:
+        raise SystemExit(f"probe server ({kind} on {device}) failed to start (exit {proc.wait()}); "
+                         f"run `python -m ddtree.transport.probe_server --kind {kind} --device {device}` to see why")
+    return proc, json.loads(line)
 
 
 def main() -> int:

@@ -32,6 +32,7 @@ class Driver:
         except OSError as exc:
             raise CudaDriverError(f"cannot load the CUDA driver (libcuda.so.1): {exc}") from exc
         self._call("cuInit", ctypes.c_uint(0))
+        self._primary: dict[int, ctypes.c_void_p] = {}
 
     def _fn(self, names: str):
         for name in names.split("|"):
@@ -74,20 +75,23 @@ class Driver:
 
     @contextlib.contextmanager
     def context(self, ordinal: int) -> Iterator[None]:
-        """Makes the device's primary context (the one torch uses) current for the block."""
-        dev = ctypes.c_int()
-        self._call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(ordinal))
-        ctx = ctypes.c_void_p()
-        self._call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+        """Makes the device's primary context (the one torch uses) current for the block.
+
+        The primary context is retained once and never released: releasing the last reference
+        would destroy it, and with it every allocation and mapping made in it."""
+        ctx = self._primary.get(ordinal)
+        if ctx is None:
+            dev = ctypes.c_int()
+            self._call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(ordinal))
+            ctx = ctypes.c_void_p()
+            self._call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+            ctx = self._primary.setdefault(ordinal, ctx)
+        self._call("cuCtxPushCurrent_v2|cuCtxPushCurrent", ctx)
         try:
-            self._call("cuCtxPushCurrent_v2|cuCtxPushCurrent", ctx)
-            try:
-                yield
-            finally:
-                popped = ctypes.c_void_p()
-                self._call("cuCtxPopCurrent_v2|cuCtxPopCurrent", ctypes.byref(popped))
+            yield
         finally:
-            self._call("cuDevicePrimaryCtxRelease_v2|cuDevicePrimaryCtxRelease", dev)
+            popped = ctypes.c_void_p()
+            self._call("cuCtxPopCurrent_v2|cuCtxPopCurrent", ctypes.byref(popped))
 
     # --- memory (call inside `context`) ---------------------------------------------------
     def mem_alloc(self, nbytes: int) -> int:
