@@ -65,14 +65,16 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
   // Stage this request's log-probs in shared memory and check them.
   const float* lp = in.logprobs + static_cast<long>(b) * D * K;
   const int numel = D * K;
-  bool nonfinite = false;
-  if ((numel & 3) == 0 && (reinterpret_cast<uintptr_t>(lp) & 15) == 0) {
+  bool nonfinite = false, unordered = false;
+  const bool vectorized = (K & 3) == 0 && (reinterpret_cast<uintptr_t>(lp) & 15) == 0;
+  if (vectorized) {  // a float4 never straddles two rows
     const float4* lp4 = reinterpret_cast<const float4*>(lp);
 #pragma unroll 4
     for (int i = lane; i < numel / 4; i += kWarp) {
       const float4 v = __ldg(lp4 + i);
       reinterpret_cast<float4*>(s_lp)[i] = v;
       nonfinite |= !(isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
+      unordered |= v.x < v.y || v.y < v.z || v.z < v.w;
     }
   } else {
     for (int i = lane; i < numel; i += kWarp) {
@@ -87,9 +89,9 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
     s_depth[0] = 0;
   }
   __syncwarp();
-  bool unordered = false;
-  for (int i = lane; i < numel; i += kWarp)
-    unordered |= (i % K != K - 1) && s_lp[i] < s_lp[i + 1];
+  const int step = vectorized ? 4 : 1;  // pairs (i - 1, i) left to compare: i % step == 0
+  for (int i = lane * step; i < numel; i += kWarp * step)
+    if (i % K != 0) unordered |= s_lp[i - 1] < s_lp[i];
 
   const int budget = in.budgets ? in.budgets[b] : N;
   int32_t status = kOk;
@@ -124,14 +126,13 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
       s_rank[n] = static_cast<int16_t>(r);
       s_depth[n] = static_cast<int8_t>(d);
     }
-    // The two offers, in the contract's float64 operation order.
+    // The two offers, in the contract's float64 operation order (indices clamped so the
+    // loads are unconditional; an offer that does not exist is dropped below).
     const bool has_sibling = r + 1 < K, has_child = d < D;
-    double sibling = 0.0, child = 0.0;
-    if (has_sibling) {
-      sibling = head_score - static_cast<double>(s_lp[(d - 1) * K + r]);
-      sibling = sibling + static_cast<double>(s_lp[(d - 1) * K + r + 1]);
-    }
-    if (has_child) child = head_score + static_cast<double>(s_lp[d * K]);
+    const float* row = s_lp + (d - 1) * K;
+    double sibling = head_score - static_cast<double>(row[r]);
+    sibling = sibling + static_cast<double>(row[has_sibling ? r + 1 : r]);
+    const double child = head_score + static_cast<double>(s_lp[has_child ? d * K : 0]);
     // On equal scores the child (path p + [r, 0]) sorts before the sibling (p + [r + 1]).
     const bool child_first = has_child && (!has_sibling || child >= sibling);
     const int offers = has_child + has_sibling;
@@ -140,31 +141,37 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
     const uint32_t c2 = child_first ? pack_candidate(p, r + 1, d) : pack_candidate(n, 0, d + 1);
 
     // Positions of the offers among the frontier without its head: count what pops first.
-    int ahead1 = 0, ahead2 = 0;
+    bool ahead1[M], ahead2[M];
     bool tie = false;
 #pragma unroll
     for (int k = 0; k < M; ++k) {
-      if (k * kWarp < live) {
-        const int j = k * kWarp + lane;
-        const bool valid = j > 0 && j < live;
-        ahead1 += valid && score[k] > s1;
-        ahead2 += valid && score[k] > s2;
-        tie |= valid && (score[k] == s1 || score[k] == s2);
-      }
+      const int j = k * kWarp + lane;
+      const bool valid = j > 0 && j < live;
+      ahead1[k] = valid && score[k] > s1;
+      ahead2[k] = valid && score[k] > s2;
+      tie |= valid && ((offers >= 1 && score[k] == s1) || (offers >= 2 && score[k] == s2));
     }
-    __syncwarp();  // node n is visible to the tie-breaks
     if (__any_sync(kFullMask, tie)) {  // exactly equal scores: compare rank paths (rare)
+      __syncwarp();                    // node n is visible to the tie-breaks
 #pragma unroll
       for (int k = 0; k < M; ++k) {
         const int j = k * kWarp + lane;
-        if (k * kWarp < live && j > 0 && j < live) {
-          if (score[k] == s1 && tie_pops_before(cand[k], c1, s_parent, s_rank)) ++ahead1;
-          if (score[k] == s2 && tie_pops_before(cand[k], c2, s_parent, s_rank)) ++ahead2;
+        if (j > 0 && j < live) {
+          if (offers >= 1 && score[k] == s1) ahead1[k] = tie_pops_before(cand[k], c1, s_parent, s_rank);
+          if (offers >= 2 && score[k] == s2) ahead2[k] = tie_pops_before(cand[k], c2, s_parent, s_rank);
         }
       }
     }
-    const int q1 = offers >= 1 ? __reduce_add_sync(kFullMask, ahead1) : kNoPosition;
-    const int q2 = offers >= 2 ? __reduce_add_sync(kFullMask, ahead2) + 1 : kNoPosition;
+    int q1 = 0, q2 = 1;  // s1 goes before s2
+#pragma unroll
+    for (int k = 0; k < M; ++k) {
+      if (k * kWarp < live) {
+        q1 += __popc(__ballot_sync(kFullMask, ahead1[k]));
+        q2 += __popc(__ballot_sync(kFullMask, ahead2[k]));
+      }
+    }
+    if (offers < 1) q1 = kNoPosition;
+    if (offers < 2) q2 = kNoPosition;
     const int next_live = min(min(live - 1 + offers, M * kWarp), budget - n);
 
     // Shift: new[j] = old[j+1] before q1, s1 at q1, old[j] up to q2, s2 at q2, old[j-1] after.

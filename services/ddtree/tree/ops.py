@@ -41,12 +41,24 @@ def _threads(threads: int | None) -> int:
 
 
 def _empty_trees(batch: int, n: int, draft_len: int, device) -> Trees:
-    i32 = dict(dtype=torch.int32, device=device)
+    """Uninitialised outputs (the kernels write every element); int32 fields share one buffer."""
+    flat = torch.empty(batch * (3 * n + 3), dtype=torch.int32, device=device)
+    tokens, depths, parents, num_nodes, status = flat.split(
+        [batch * n, batch * n, batch * (n + 1), batch, batch])
     words = (n + 1 + 63) // 64
-    return Trees(tokens=torch.empty(batch, n, **i32), depths=torch.empty(batch, n, **i32),
-                 parents=torch.empty(batch, n + 1, **i32), num_nodes=torch.empty(batch, **i32),
+    return Trees(tokens=tokens.view(batch, n), depths=depths.view(batch, n),
+                 parents=parents.view(batch, n + 1), num_nodes=num_nodes,
                  mask=torch.empty(batch, n + 1, words, dtype=torch.uint64, device=device),
-                 draft_len=draft_len, status=torch.empty(batch, **i32))
+                 draft_len=draft_len, status=status)
+
+
+def _launch_cuda(kernel, args, device: torch.device) -> None:
+    """Launches on the current stream of `device` (switching devices only when needed)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        kernel(*args, torch.cuda.current_stream(device).cuda_stream)
+        return
+    with torch.cuda.device(device):
+        kernel(*args, torch.cuda.current_stream(device).cuda_stream)
 
 
 def build_trees(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int | Sequence[int],
@@ -75,8 +87,7 @@ def build_trees(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int |
     if backend == "cpu":
         C.tree_build_cpu(*args, _threads(threads))
     else:
-        with torch.cuda.device(lp.device):
-            C.tree_build_cuda(*args, torch.cuda.current_stream(lp.device).cuda_stream)
+        _launch_cuda(C.tree_build_cuda, args, lp.device)
     if check or backend == "cpu":
         checks.raise_on_status(out.status)
     return out
@@ -95,10 +106,10 @@ def accept(trees: Trees, posterior: torch.Tensor, backend: str = "auto", *, chec
     batch, n, width = trees.batch, trees.budget, trees.draft_len + 1
     device = trees.tokens.device
     post = posterior.to(torch.int32).contiguous()
-    i32 = dict(dtype=torch.int32, device=device)
-    out = Accepted(path=torch.empty(batch, width, **i32), length=torch.empty(batch, **i32),
-                   bonus=torch.empty(batch, **i32), keep=torch.empty(batch, width, **i32),
-                   status=torch.empty(batch, **i32))
+    flat = torch.empty(batch * (2 * width + 3), dtype=torch.int32, device=device)
+    path, keep, length, bonus, status = flat.split([batch * width, batch * width, batch, batch, batch])
+    out = Accepted(path=path.view(batch, width), length=length, bonus=bonus,
+                   keep=keep.view(batch, width), status=status)
     args = (trees.tokens.contiguous().data_ptr(), trees.parents.contiguous().data_ptr(),
             trees.num_nodes.contiguous().data_ptr(), post.data_ptr(), batch, n, trees.draft_len,
             out.path.data_ptr(), out.length.data_ptr(), out.bonus.data_ptr(), out.keep.data_ptr(),
@@ -107,8 +118,7 @@ def accept(trees: Trees, posterior: torch.Tensor, backend: str = "auto", *, chec
     if backend == "cpu":
         C.tree_accept_cpu(*args, _threads(threads))
     else:
-        with torch.cuda.device(device):
-            C.tree_accept_cuda(*args, torch.cuda.current_stream(device).cuda_stream)
+        _launch_cuda(C.tree_accept_cuda, args, device)
     if check or backend == "cpu":
         checks.raise_on_status(out.status)
     return out
