@@ -42,8 +42,11 @@ def hf_config(**overrides) -> DeepseekV3Config:
     return DeepseekV3Config(**kw)
 
 
-def make_checkpoint(path: Path, seed: int = 0, **overrides) -> DeepseekV3ForCausalLM:
-    """Saves a random float32 DeepseekV3ForCausalLM at `path` and returns it (eval mode)."""
+def make_checkpoint(path: Path, seed: int = 0, max_shard_size: str | None = None, **overrides) -> DeepseekV3ForCausalLM:
+    """Saves a random float32 DeepseekV3ForCausalLM at `path` and returns it (eval mode).
+
+    max_shard_size (e.g. "100KB") writes several shards with a model.safetensors.index.json.
+    """
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(hf_config(**overrides)).eval()
     with torch.no_grad():
@@ -53,7 +56,7 @@ def make_checkpoint(path: Path, seed: int = 0, **overrides) -> DeepseekV3ForCaus
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn_like(b))  # exercise the bias in routing
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
 
 
@@ -106,3 +109,8 @@ def test_config_requires_a_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
     with pytest.raises(ValueError, match="missing"):
         TargetConfig.from_pretrained(tmp_path)
+
+
+def test_moe_layer_freq_follows_deepseek_rule():
+    cfg = TargetConfig.from_dict({**BASE, "model_type": "deepseek_v3", "moe_layer_freq": 2, "num_hidden_layers": 6})
+    assert [cfg.is_moe_layer(i) for i in range(6)] == [False, False, True, False, True, False]

@@ -22,6 +22,14 @@ def test_logits_match_transformers(tmp_path, variant):
     torch.testing.assert_close(model.logits(ids), hf_logits(hf, ids), rtol=1e-4, atol=2e-5)
 
 
+def test_sharded_checkpoint_with_index(tmp_path):
+    hf = make_checkpoint(tmp_path, max_shard_size="60KB", **CONFIGS["qlora_moe_groups_yarn"])
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
+    ids = torch.randint(0, hf.config.vocab_size, (1, 16))
+    torch.testing.assert_close(TargetModel.from_pretrained(tmp_path, dtype=torch.float32).logits(ids),
+                               hf_logits(hf, ids), rtol=1e-4, atol=2e-5)
+
+
 def test_kimi_k25_layout_loads_the_text_model(tmp_path):
     """text_config + `language_model.` prefix + vision tensors that must be ignored."""
     src, dst = tmp_path / "src", tmp_path / "k25"

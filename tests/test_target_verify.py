@@ -121,7 +121,7 @@ def test_mla_verify_attention_matches_float64_reference():
     heads, c, r, page, pages = 3, 16, 4, 4, 40
     cache = torch.randn(pages, page, c + r, generator=gen)
     prefix = torch.tensor([0, 7, 13])
-    _, _, mask, parents = random_trees([4, 2, 4], 50, gen)
+    _, _, mask, parents = random_trees([2, 4, 3], 50, gen)  # request 0: no prefix, padded rows see nothing
     b, t = mask.shape[0], mask.shape[1]
     perm = torch.randperm(pages, generator=gen)
     table = perm[: b * 6].view(b, 6).to(torch.int32)
