@@ -1,4 +1,4 @@
-"""ddtree.models: the target (DeepSeek-V3 / Kimi-K2, MLA + MoE) and its checkpoint loading.
+"""ddtree.models: the target (DeepSeek-V3 / Kimi-K2, MLA + MoE), the DFlash drafter, checkpoint loading.
 
 Imports are lazy so `import ddtree.models` stays cheap.
 """
@@ -16,6 +16,10 @@ _EXPORTS = {
     "TensorParallel": ".parallel",
     "SamplingParams": ".sampling",
     "mla_verify_attention": ".mla_attention",
+    "CheckpointError": ".checkpoint",
+    "CheckpointIndex": ".checkpoint",
+    "DFlashDrafter": ".dflash",
+    "DFlashConfig": ".dflash_config",
 }
 
 __all__ = sorted(_EXPORTS)
