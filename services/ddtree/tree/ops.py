@@ -52,6 +52,24 @@ def _empty_trees(batch: int, n: int, draft_len: int, device) -> Trees:
                  draft_len=draft_len, status=status)
 
 
+def _empty_accepted(batch: int, width: int, device) -> Accepted:
+    flat = torch.empty(batch * (2 * width + 3), dtype=torch.int32, device=device)
+    path, keep, length, bonus, status = flat.split([batch * width, batch * width, batch, batch, batch])
+    return Accepted(path=path.view(batch, width), length=length, bonus=bonus, keep=keep.view(batch, width),
+                    status=status)
+
+
+def _check_out(name: str, out, template, fields: tuple[str, ...], device: torch.device) -> None:
+    """Preallocated outputs must match the expected shapes and dtypes, on the inputs' device."""
+    for field in fields:
+        t, want = getattr(out, field), getattr(template, field)
+        if not isinstance(t, torch.Tensor) or t.shape != want.shape or t.dtype != want.dtype:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}.{field} must be {tuple(want.shape)} {want.dtype}, got {got}")
+        if t.device != device or not t.is_contiguous():
+            raise ValueError(f"{name}.{field} must be contiguous on {device}")
+
+
 def _launch_cuda(kernel, args, device: torch.device) -> None:
     """Launches on the current stream of `device` (switching devices only when needed)."""
     if device.index is None or device.index == torch.cuda.current_device():
@@ -62,11 +80,13 @@ def _launch_cuda(kernel, args, device: torch.device) -> None:
 
 
 def build_trees(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int | Sequence[int],
-                backend: str = "auto", *, check: bool = True, threads: int | None = None) -> Trees:
+                backend: str = "auto", *, check: bool = True, threads: int | None = None,
+                out: Trees | None = None) -> Trees:
     """Best-first draft trees from top-k log-probs [Bt, D, K] (float32, rows descending) and
     token ids [Bt, D, K] (int32/int64), at most `budget` nodes per request (an int, or one per
     request; outputs are padded to the largest). Bad input raises ValueError; with check=False
-    on CUDA, value errors are left in Trees.status (per request, 0 = ok) instead."""
+    on CUDA, value errors are left in Trees.status (per request, 0 = ok) instead.
+    `out`: preallocated outputs to write into (e.g. views of a shared region; cpu/cuda only)."""
     budgets = checks.check_build_inputs(top_logprobs, top_ids, budget)
     backend = _resolve_backend(backend, top_logprobs.device)
     batch, depth, topk = top_logprobs.shape
@@ -75,7 +95,12 @@ def build_trees(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int |
         return _build_reference(top_logprobs, top_ids, budgets)
     lp = top_logprobs.contiguous()
     ids = top_ids.to(torch.int32).contiguous()
-    out = _empty_trees(batch, n, depth, lp.device)
+    template = _empty_trees(batch, n, depth, "meta")
+    if out is None:
+        out = _empty_trees(batch, n, depth, lp.device)
+    else:
+        _check_out("out", out, template, ("tokens", "depths", "parents", "num_nodes", "mask", "status"), lp.device)
+        out = Trees(**{**out.__dict__, "draft_len": depth})
     budget_tensor = None
     if any(b != n for b in budgets):
         budget_tensor = torch.tensor(budgets, dtype=torch.int32).to(lp.device)
@@ -94,10 +119,11 @@ def build_trees(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int |
 
 
 def accept(trees: Trees, posterior: torch.Tensor, backend: str = "auto", *, check: bool = True,
-           threads: int | None = None) -> Accepted:
+           threads: int | None = None, out: Accepted | None = None) -> Accepted:
     """The accept walk: from the root, move to the child whose token equals the posterior token
     at the current node (argmax, or the target's sample there), until there is none. posterior
-    is [Bt, N + 1] int32/int64, one target token per node, root first."""
+    is [Bt, N + 1] int32/int64, one target token per node, root first. `out`: preallocated
+    outputs to write into (cpu/cuda only)."""
     checks.check_trees(trees)
     checks.check_posterior(trees, posterior)
     backend = _resolve_backend(backend, trees.tokens.device)
@@ -106,10 +132,11 @@ def accept(trees: Trees, posterior: torch.Tensor, backend: str = "auto", *, chec
     batch, n, width = trees.batch, trees.budget, trees.draft_len + 1
     device = trees.tokens.device
     post = posterior.to(torch.int32).contiguous()
-    flat = torch.empty(batch * (2 * width + 3), dtype=torch.int32, device=device)
-    path, keep, length, bonus, status = flat.split([batch * width, batch * width, batch, batch, batch])
-    out = Accepted(path=path.view(batch, width), length=length, bonus=bonus,
-                   keep=keep.view(batch, width), status=status)
+    template = _empty_accepted(batch, width, "meta")
+    if out is None:
+        out = _empty_accepted(batch, width, device)
+    else:
+        _check_out("out", out, template, ("path", "length", "bonus", "keep", "status"), device)
     args = (trees.tokens.contiguous().data_ptr(), trees.parents.contiguous().data_ptr(),
             trees.num_nodes.contiguous().data_ptr(), post.data_ptr(), batch, n, trees.draft_len,
             out.path.data_ptr(), out.length.data_ptr(), out.bonus.data_ptr(), out.keep.data_ptr(),

@@ -1,0 +1,1 @@
+"""The tree-build sidecar: ddtree.v1.TreeBuilder (Build / Accept) over ddtree.tree and the transport."""
