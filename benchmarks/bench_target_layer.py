@@ -3,7 +3,8 @@
 Per GPU at TP8: hidden 7168, 8 of 64 heads (q_lora 1536, latent 512 + rope 64, nope 128, v 128),
 48 of 384 routed experts (8 active per token, intermediate 2048; the router scores all 384, so
 about one in eight choices lands on this GPU), 1/8 of the shared expert. The layer runs the
-torch reference path (absorbed MLA over the paged cache + MoE loop); TP all-reduces are not
+torch reference path (absorbed MLA over the paged cache in float32; routed experts as grouped
+GEMMs where torch has them, else a loop); TP all-reduces are not
 included (one GPU). Times are medians of CUDA-event intervals.
 
     python benchmarks/bench_target_layer.py --out benchmarks/results/h200/target_layer.txt
@@ -19,7 +20,7 @@ import torch
 
 from ddtree.models.config import TargetConfig
 from ddtree.models.kv_cache import LatentKVCache
-from ddtree.models.layers import DecoderLayer
+from ddtree.models.layers import DecoderLayer, grouped_mm_available
 from ddtree.models.mla_attention import mla_verify_attention, pack_bitmask
 from ddtree.models.parallel import TensorParallel
 from ddtree.models.rope import RotaryEmbedding
@@ -114,7 +115,9 @@ def main() -> None:
         f"{layer.mlp.num_local}/{cfg.n_routed_experts} experts, latent {cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}), "
         f"{dtype}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}",
         "# medians of CUDA-event times (ms); projected step = 61 x layer + lm_head shard; TP all-reduces excluded",
-        f"{'batch':>5} {'tree':>4} {'prefix':>6} {'layer_ms':>9} {'attn_core_ms':>12} {'moe_ms':>8} "
+        f"# MoE experts: {'grouped GEMM (torch._grouped_mm)' if grouped_mm_available(torch.empty(1, device=device, dtype=dtype)) else 'Python loop'}"
+        " in layer_ms/moe_ms; moe_loop_ms = the loop over experts",
+        f"{'batch':>5} {'tree':>4} {'prefix':>6} {'layer_ms':>9} {'attn_core_ms':>12} {'moe_ms':>8} {'moe_loop_ms':>11} "
         f"{'lm_head_ms':>10} {'step61_ms':>9} {'nodes_per_s':>11}",
     ]
     print("\n".join(lines), flush=True)
@@ -147,9 +150,12 @@ def main() -> None:
                     attn_ms = timer(lambda: mla_verify_attention(q_lat, q_rope, cache.layer(0), table, prefix_lens,
                                                                  mask, cfg.softmax_scale), args.iters, args.warmup)
                     moe_ms = timer(lambda: layer.mlp(x), args.iters, args.warmup)
+                    layer.mlp.grouped = False  # the Python loop over experts, for comparison
+                    moe_loop_ms = timer(lambda: layer.mlp(x), args.iters, args.warmup)
+                    layer.mlp.grouped = None
                     head_ms = timer(lambda: torch.nn.functional.linear(x, lm_head), args.iters, args.warmup)
                     step = 61 * layer_ms + head_ms
-                    row = (f"{b:>5} {t:>4} {prefix:>6} {layer_ms:>9.3f} {attn_ms:>12.3f} {moe_ms:>8.3f} "
+                    row = (f"{b:>5} {t:>4} {prefix:>6} {layer_ms:>9.3f} {attn_ms:>12.3f} {moe_ms:>8.3f} {moe_loop_ms:>11.3f} "
                            f"{head_ms:>10.3f} {step:>9.2f} {b * t / step * 1e3:>11.0f}")
                     print(row, flush=True)
                     lines.append(row)

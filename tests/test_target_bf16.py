@@ -13,7 +13,9 @@ import torch
 from test_target_common import CONFIGS, hf_logits, make_checkpoint
 from test_target_trees import random_trees
 
-from ddtree.models import TargetModel
+from ddtree.models import TargetModel, TensorParallel
+from ddtree.models.config import TargetConfig
+from ddtree.models.layers import MoE, grouped_mm_available
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -56,3 +58,24 @@ def test_bf16_tree_verify_close_to_float32(tmp_path, device):
         outs.append(model.verify([0, 1], root, tokens, depths, mask, return_logits=True).logits)
     for b, size in enumerate((20, 9)):
         assert_bf16_close(outs[0][b, : size + 1], outs[1][b, : size + 1], dense=True)
+
+
+@pytest.mark.cuda
+def test_grouped_expert_gemms_match_the_expert_loop():
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    if not grouped_mm_available(x):
+        pytest.skip("torch._grouped_mm needs bf16 on sm90+")
+    from test_target_common import BASE
+
+    cfg = TargetConfig.from_dict({**BASE, "model_type": "deepseek_v3", "hidden_size": 256, "n_routed_experts": 32,
+                                  "moe_intermediate_size": 128, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2})
+    moe = MoE(cfg, TensorParallel(rank=1, size=2, communicate=False), torch.bfloat16, "cuda")
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn_like(p) * 0.05)
+        moe.grouped = False
+        loop = moe(x).float()
+        moe.grouped = True
+        grouped = moe(x).float()
+        assert moe(x[:1]).shape == (1, 256)  # a token with no expert on this rank: empty groups
+    torch.testing.assert_close(grouped, loop, rtol=2e-2, atol=2e-2)
