@@ -92,9 +92,12 @@ def _record(tmp_path, n_steps=24, seed=0):
                     sv_start = cl_start + rng.randint(0, transport) * US
                     server = remote.start_span(REMOTE[comp], context=trace.set_span_in_context(client),
                                                kind=SpanKind.SERVER, start_time=sv_start)
-                    S.emit_gpu_spans(remote, sv_start + server_us * US, [S.GpuInterval(
-                        comp, server.get_span_context(), start_before_anchor_ms=(gpu + 5) / 1000,
-                        end_before_anchor_ms=5 / 1000)])
+                    if comp == S.DRAFT:       # GPU time as an event-timed span below the server span
+                        S.emit_gpu_spans(remote, sv_start + server_us * US, [S.GpuInterval(
+                            comp, server.get_span_context(), start_before_anchor_ms=(gpu + 5) / 1000,
+                            end_before_anchor_ms=5 / 1000)])
+                    else:                     # only as the server span's gpu_ms attribute
+                        server.set_attribute(S.SERVER_GPU_MS, gpu / 1000)
                     server.end(end_time=sv_start + server_us * US)
                 client.end(end_time=cl_end)
             elif comp == S.VERIFY:

@@ -208,9 +208,11 @@ def _attribute(span: SpanRecord, children: dict) -> dict[str, float]:
     """wall / gpu / transport / host of one component span (rules in docs/observability.md)."""
     wall = span.duration_ms
     below = list(_descendants(span, children))
-    gpu = sum(sp.duration_ms for sp in below if sp.attributes.get(S.GPU) is True)
-    if not any(sp.attributes.get(S.GPU) is True for sp in below):
-        gpu = float(span.attributes.get(S.SERVER_GPU_MS, 0.0))
+    # GPU: the event-timed spans; without them, the gpu_ms the servers put on their spans; else
+    # the ServerTiming.gpu_ms the caller copied onto the component span.
+    gpu_spans = [sp.duration_ms for sp in below if sp.attributes.get(S.GPU) is True]
+    server_gpu = [float(sp.attributes[S.SERVER_GPU_MS]) for sp in below if S.SERVER_GPU_MS in sp.attributes]
+    gpu = sum(gpu_spans) if gpu_spans else sum(server_gpu) if server_gpu else float(span.attributes.get(S.SERVER_GPU_MS, 0.0))
     transport = 0.0
     clients = [sp for sp in below if sp.kind == "client"]
     unmatched = 0.0
