@@ -186,7 +186,7 @@ class MoE(nn.Module):
         return out
 
     def _experts_grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Same as _experts_loop with two grouped GEMMs (CUDA bf16, sm90+) and no host sync."""
+        """Same as _experts_loop as two grouped GEMMs (CUDA bf16, sm90+): no per-expert launches or count sync."""
         offs = counts.cumsum(0).to(torch.int32)
         gate, up = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
