@@ -226,12 +226,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sglang-seconds", type=float, default=1.5,
                         help="rough time budget per (a) measurement; sets its repetitions (3..15)")
     parser.add_argument("--smoke", action="store_true", help="only a small checked workload")
+    parser.add_argument("--profile", type=int, nargs=2, metavar=("BATCH", "BUDGET"),
+                        help="only 20 builds and accepts of one size (for a profiler)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_tree needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.smoke:
         run_smoke()
+        return 0
+    if args.profile:
+        batch, budget = args.profile
+        lp, ids = inputs(batch, budget)
+        trees = build_trees(lp, ids, budget, "cuda")
+        post = deepest_posterior(build_trees(lp.cpu(), ids.cpu(), budget, "cpu")).cuda()
+        for _ in range(20):
+            build_trees(lp, ids, budget, "cuda", check=False)
+            accept(trees, post, "cuda", check=False)
+        torch.cuda.synchronize()
         return 0
     command = "python benchmarks/bench_tree.py " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)

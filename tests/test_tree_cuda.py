@@ -17,6 +17,7 @@ CUDA_SHAPES = [
     (512, 1, 1, 1), (512, 3, 1, 7), (256, 1, 16, 16), (512, 4, 2, 40), (512, 16, 8, 32),
     (512, 16, 16, 64), (256, 16, 32, 100), (128, 16, 64, 256), (64, 24, 128, 500),
     (16, 32, 256, 1024), (8, 16, 1024, 1024), (512, 2, 2, 30),
+    (4, 32, 1024, 1024),  # log-probs staged as float (as double they would not fit shared memory)
 ]
 TREES = int(os.environ.get("DDTREE_TREE_CUDA_TREES", "10240"))
 

@@ -29,12 +29,14 @@ void check_cuda(cudaError_t err, const char* what) {
                              cudaGetErrorString(err));
 }
 
-// Shared memory of one build block: log-probs [D][K] as float, then node parent/rank/depth.
+// Shared memory of one build block: log-probs [D][K] (staged as double when they fit, so a pop
+// converts nothing), then node parent/rank/depth.
+constexpr size_t kDoubleStagingLimit = 200 * 1024;
 struct BuildShared {
   size_t bytes;
   size_t parent_offset, rank_offset, depth_offset;
-  __host__ __device__ BuildShared(int D, int K, int N) {
-    parent_offset = sizeof(float) * static_cast<size_t>(D) * K;
+  __host__ __device__ BuildShared(int D, int K, int N, size_t staged_size) {
+    parent_offset = staged_size * static_cast<size_t>(D) * K;
     rank_offset = parent_offset + sizeof(int16_t) * (N + 1);
     depth_offset = rank_offset + sizeof(int16_t) * (N + 1);
     bytes = depth_offset + (N + 1);
@@ -51,13 +53,13 @@ __device__ __noinline__ bool tie_pops_before(uint32_t ca, uint32_t cb, const int
 }
 
 
-template <int M>
+template <int M, typename Staged>
 __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs out) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int D = in.depth, K = in.topk, N = in.max_budget, W = mask_words(N + 1);
   const int b = blockIdx.x, lane = threadIdx.x;
-  const BuildShared layout(D, K, N);
-  float* s_lp = reinterpret_cast<float*>(smem);
+  const BuildShared layout(D, K, N, sizeof(Staged));
+  Staged* s_lp = reinterpret_cast<Staged*>(smem);
   int16_t* s_parent = reinterpret_cast<int16_t*>(smem + layout.parent_offset);
   int16_t* s_rank = reinterpret_cast<int16_t*>(smem + layout.rank_offset);
   int8_t* s_depth = reinterpret_cast<int8_t*>(smem + layout.depth_offset);
@@ -72,7 +74,10 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
 #pragma unroll 4
     for (int i = lane; i < numel / 4; i += kWarp) {
       const float4 v = __ldg(lp4 + i);
-      reinterpret_cast<float4*>(s_lp)[i] = v;
+      s_lp[4 * i] = v.x;
+      s_lp[4 * i + 1] = v.y;
+      s_lp[4 * i + 2] = v.z;
+      s_lp[4 * i + 3] = v.w;
       nonfinite |= !(isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
       unordered |= v.x < v.y || v.y < v.z || v.z < v.w;
     }
@@ -129,7 +134,7 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
     // The two offers, in the contract's float64 operation order (indices clamped so the
     // loads are unconditional; an offer that does not exist is dropped below).
     const bool has_sibling = r + 1 < K, has_child = d < D;
-    const float* row = s_lp + (d - 1) * K;
+    const Staged* row = s_lp + (d - 1) * K;
     double sibling = head_score - static_cast<double>(row[r]);
     sibling = sibling + static_cast<double>(row[has_sibling ? r + 1 : r]);
     const double child = head_score + static_cast<double>(s_lp[has_child ? d * K : 0]);
@@ -296,15 +301,23 @@ __global__ void __launch_bounds__(kWarp) accept_kernel(AcceptArgs in, AcceptOutp
   }
 }
 
-template <int M>
-void launch_build(const BuildArgs& in, const BuildOutputs& out, cudaStream_t stream) {
-  const size_t smem = BuildShared(in.depth, in.topk, in.max_budget).bytes;
+template <int M, typename Staged>
+void launch_build_staged(const BuildArgs& in, const BuildOutputs& out, cudaStream_t stream) {
+  const size_t smem = BuildShared(in.depth, in.topk, in.max_budget, sizeof(Staged)).bytes;
   if (smem > kDefaultSharedLimit)
-    check_cuda(cudaFuncSetAttribute(build_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    check_cuda(cudaFuncSetAttribute(build_kernel<M, Staged>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)),
                "build (shared memory opt-in)");
-  build_kernel<M><<<in.batch, kWarp, smem, stream>>>(in, out);
+  build_kernel<M, Staged><<<in.batch, kWarp, smem, stream>>>(in, out);
   check_cuda(cudaGetLastError(), "build");
+}
+
+template <int M>
+void launch_build(const BuildArgs& in, const BuildOutputs& out, cudaStream_t stream) {
+  if (BuildShared(in.depth, in.topk, in.max_budget, sizeof(double)).bytes <= kDoubleStagingLimit)
+    launch_build_staged<M, double>(in, out, stream);
+  else
+    launch_build_staged<M, float>(in, out, stream);
 }
 
 }  // namespace
