@@ -61,17 +61,32 @@ class Stream:
         self._requests.put(None)
 
 
-def measure(call, make_request, iters, warmup, expect=None):
+def measure(call, make_request, iters, warmup, expect=None) -> dict:
+    """Alternates the payload RPC with an empty RPC of the same style (same conditions for both):
+    p50/p99 of the client round trip, p50 of the paired empty RPC, p50 of request preparation
+    (record + send) and of the server's handler and GPU time (ProbeReply.timing)."""
+    empty = transport_pb2.ProbeRequest()
     for i in range(warmup):
         call(make_request(i))
-    times = []
+        call(empty)
+    total, prep, server, gpu, bare = [], [], [], [], []
     for i in range(iters):
         t0 = time.perf_counter()
-        reply = call(make_request(i))
-        times.append(time.perf_counter() - t0)
+        request = make_request(i)
+        t1 = time.perf_counter()
+        reply = call(request)
+        t2 = time.perf_counter()
+        call(empty)
+        bare.append(time.perf_counter() - t2)
+        total.append(t2 - t0)
+        prep.append(t1 - t0)
+        server.append(reply.timing.server_ms / 1e3)
+        gpu.append(reply.timing.gpu_ms / 1e3)
         if expect is not None and reply.checksum != expect:
             raise RuntimeError(f"checksum mismatch at step {i}: the server read wrong bytes")
-    return percentiles(times)
+    p50, p99 = percentiles(total)
+    return dict(p50_ms=p50, p99_ms=p99, empty_p50_ms=percentiles(bare)[0], prep_ms=percentiles(prep)[0],
+                server_ms=percentiles(server)[0], gpu_ms=percentiles(gpu)[0])
 
 
 def start_server(device: str, kind: str):
@@ -119,23 +134,24 @@ def main() -> int:
         empty = transport_pb2.ProbeRequest()
         unary_call = lambda r: link.stub.Probe(r, metadata=link.metadata)  # noqa: E731
         stream = Stream(link)
-        results["empty", "unary"] = measure(unary_call, lambda i: empty, 2 * args.iters, args.warmup)
-        results["empty", "stream"] = measure(stream.call, lambda i: empty, 2 * args.iters, args.warmup)
+        results["empty", "unary"] = measure(unary_call, lambda i: empty, args.iters, args.warmup)
+        results["empty", "stream"] = measure(stream.call, lambda i: empty, args.iters, args.warmup)
         stream.close()
         say()
         say("## RPC style: empty Probe, per-message round trip (ms)")
-        say(f"{'style':10s} {'p50':>8s} {'p99':>8s}")
+        say(f"{'style':10s} {'p50':>8s} {'p99':>8s} {'server':>8s}")
         for style in ("unary", "stream"):
-            p50, p99 = results["empty", style]
-            say(f"{style:10s} {p50:8.3f} {p99:8.3f}")
-        empty_p50 = {style: results["empty", style][0] for style in ("unary", "stream")}
+            r = results["empty", style]
+            say(f"{style:10s} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['server_ms']:8.3f}")
 
         # --- hand-offs per kind ---------------------------------------------------------
         max_bytes = max(torch.Size(shape).numel() * dt.itemsize for _, _, dt, shape in payloads(batches))
         say()
-        say("## Hand-off per step (ms), ratio = p50 / empty-RPC p50 of the same style; bytes = request on the wire")
+        say("## Hand-off per step (ms); each step alternates with an empty RPC of the same style (column 'empty');")
+        say("## ratio = p50 / empty p50; bytes = request on the wire;")
+        say("## prep = client record+send (inline: serialization); server = handler (resolve + read); gpu = read kernel")
         say(f"{'payload':9s} {'B':>3s} {'kind':9s} {'style':7s} {'MiB':>8s} {'p50':>9s} {'p99':>9s} {'ratio':>7s} "
-            f"{'req bytes':>10s}")
+            f"{'empty':>7s} {'req bytes':>10s} {'prep':>8s} {'server':>8s} {'gpu':>7s}")
         for kind in kinds:
             dev = "cpu" if kind == "shm" else args.device
             if kind == "shm":
@@ -171,12 +187,13 @@ def main() -> int:
                 for style, call in styles:
                     if style == "stream" and (kind != "cuda_ipc" and not (kind == kinds[0] and name == "topk")):
                         continue  # stream vs unary per payload: on the zero-copy kind only
-                    p50, p99 = measure(call, make, iters, min(args.warmup, iters))
-                    size = make(0).ByteSize()
-                    ratio = p50 / empty_p50[style]
-                    results[name, b, kind, style] = dict(p50_ms=p50, p99_ms=p99, ratio=ratio, request_bytes=size)
-                    say(f"{name:9s} {b:3d} {kind:9s} {style:7s} {numel * dtype.itemsize / 2**20:8.3f} {p50:9.3f} "
-                        f"{p99:9.3f} {ratio:7.2f} {size:10d}")
+                    r = measure(call, make, iters, min(args.warmup, iters), expect)
+                    r["request_bytes"] = size = make(0).ByteSize()
+                    r["ratio"] = ratio = r["p50_ms"] / r["empty_p50_ms"]
+                    results[name, b, kind, style] = r
+                    say(f"{name:9s} {b:3d} {kind:9s} {style:7s} {numel * dtype.itemsize / 2**20:8.3f} {r['p50_ms']:9.3f} "
+                        f"{r['p99_ms']:9.3f} {ratio:7.2f} {r['empty_p50_ms']:7.3f} {size:10d} {r['prep_ms']:8.3f} {r['server_ms']:8.3f} "
+                        f"{r['gpu_ms']:7.3f}")
             stream.close()
             lk.detach()
             t.close()
@@ -207,7 +224,7 @@ def main() -> int:
             worst = max(ratios.items(), key=lambda kv: kv[1])
             say(f"cuda_ipc hand-off within 1.2x of the empty RPC at every B: "
                 f"{'PASS' if worst[1] <= 1.2 else 'FAIL'} (worst {worst[1]:.2f}x: {worst[0]})")
-        u, s = results["empty", "unary"][0], results["empty", "stream"][0]
+        u, s = results["empty", "unary"]["p50_ms"], results["empty", "stream"]["p50_ms"]
         say(f"RPC style: unary p50 {u:.3f} ms vs bidi stream p50 {s:.3f} ms -> stream/unary {s / u:.2f}")
     finally:
         channel.close()

@@ -109,6 +109,7 @@ def test_exact_fit_and_empty_tensors_are_accepted(pair):
     assert consumer.resolve("producer", _ref(shape=[256])).numel() == 256
     assert consumer.resolve("producer", _ref(shape=[0, 7], offset=1020)).shape == (0, 7)
     assert consumer.resolve("producer", _ref(shape=[])).shape == ()
+    assert consumer.resolve("producer", _ref(shape=[0] + [1024] * 7)).numel() == 0   # no stride overflow
 
 
 def test_unknown_peer(pair):

@@ -75,7 +75,7 @@ def test_thousand_steps_on_side_streams_ordered_by_slot_events(link):
 
 def test_refs_are_tiny_and_status_counts_references(link):
     region = link.transport.region("transport/probe")
-    ref = region.ref(0, region.view(0, torch.bfloat16, (64, 16, 6 * 7168 // 64)))
+    ref = region.ref(3, region.view(3, torch.bfloat16, (2, 16, 6 * 7168 // 8), offset=1024))
     assert ref.ByteSize() < 512
     status = link.stub.Status(transport_pb2.TransportStatusRequest(), timeout=10)
     by_name = {r.name: r for r in status.regions}

@@ -56,7 +56,9 @@ class PeerLink:
             log.warning("transport: server is on another host (%s); attaching inline", exc.details())
             trace.get_current_span().set_attribute("ddtree.transport.fallback_reason", "server on another host")
             return self.attach(timeout=timeout, inline=True)
-        t.import_peer(reply.peer_id, reply.regions, inline=inline or reply.kind == INLINE)
+        # our refs go inline only if we exported our regions inline; the server's outputs reach us
+        # inline when it says so (reply.kind), which needs nothing on our side
+        t.import_peer(reply.peer_id, reply.regions, inline=inline)
         self.server_id, self.kind, self.fallback_reason = reply.peer_id, reply.kind, reply.fallback_reason
         span = trace.get_current_span()
         span.set_attribute("ddtree.transport.kind", kind_name(reply.kind))

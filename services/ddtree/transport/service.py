@@ -58,10 +58,14 @@ def attach(transport: Transport, request: transport_pb2.AttachRequest,
         return transport.attach(request)
 
 
+def _byte_sum(tensor: torch.Tensor) -> torch.Tensor:
+    t = tensor if tensor.is_contiguous() else tensor.contiguous()
+    return (t.reshape(1) if t.dim() == 0 else t).view(torch.uint8).sum(dtype=torch.int64)
+
+
 def checksum(tensor: torch.Tensor) -> int:
     """Sum of the tensor's bytes as unsigned integers, modulo 2^64 (ProbeReply.checksum)."""
-    flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-    return int(flat.sum(dtype=torch.int64).item()) % (1 << 64)
+    return int(_byte_sum(tensor).item()) % (1 << 64)
 
 
 class TransportServicer(transport_pb2_grpc.TransportServicer):
@@ -87,7 +91,7 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
         reply = transport_pb2.ProbeReply(step_id=request.step_id)
         if request.HasField("input"):
             tensor = scope.resolve(request.input)
-            reply.checksum = checksum(tensor)
+            reply.checksum = self._read(tensor, reply.timing)
             if request.echo:
                 probe = self.transport.probe
                 slot = next(self._echo_slots) % probe.slot_count
@@ -96,6 +100,19 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
                 reply.output.CopyFrom(scope.for_peer(ref))
         reply.timing.server_ms = (time.perf_counter() - start) * 1e3
         return reply
+
+    @staticmethod
+    def _read(tensor: torch.Tensor, timing: transport_pb2.ServerTiming) -> int:
+        """checksum(tensor); on a GPU, the read's device time goes to timing.gpu_ms (CUDA events)."""
+        if not tensor.is_cuda:
+            return checksum(tensor)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        total = _byte_sum(tensor)
+        end.record()
+        value = int(total.item()) % (1 << 64)
+        timing.gpu_ms = begin.elapsed_time(end)
+        return value
 
     def Probe(self, request, context):
         with serve_peer(self.transport, context) as scope:
