@@ -337,6 +337,14 @@ class Engine:
             return True
         if time.monotonic() - down[0] > self.config.reattach_after_s:
             log.info("retrying %s after %.0fs (%s)", name, time.monotonic() - down[0], down[1])
+            backend = self.drafter if name == "drafter" else self.tree
+            try:
+                if hasattr(backend, "reattach"):  # a restarted peer has new regions: attach again
+                    backend.reattach()
+            except PeerUnavailable as exc:
+                self._down[name] = (time.monotonic(), f"{name} unavailable: {exc}")
+                return False
+            log.info("%s is back", name)
             del self._down[name]
             return True
         return False

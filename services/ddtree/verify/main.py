@@ -34,6 +34,8 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--drafter", default=None, help="DFlash drafter checkpoint directory (none: ar only)")
     m.add_argument("--drafter-endpoint", default=None, help="HOST:PORT of a drafter service (default: in process)")
     m.add_argument("--treebuild-endpoint", default=None, help="HOST:PORT of a tree-build sidecar (default: in process)")
+    m.add_argument("--peer-wait-s", type=float, default=120.0,
+                   help="how long to wait for the drafter / sidecar at start (default 120)")
     m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one per GPU (default 1)")
     m.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
     m.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32")
@@ -55,6 +57,8 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--min-budget", type=int, default=4, help="budget policy: smallest per-request budget")
     s.add_argument("--max-budget", type=int, default=256, help="largest tree budget (policy and clients)")
     s.add_argument("--max-top-k", type=int, default=64, help="K of the drafter's top-k (capped by the budget)")
+    s.add_argument("--reattach-after-s", type=float, default=5.0,
+                   help="a failed drafter/sidecar is bypassed this long before it is tried again")
 
 
 def engine_config(args):
@@ -68,7 +72,7 @@ def engine_config(args):
         budget=BudgetPolicy(tokens_per_step=args.tokens_per_step, min_budget=min(args.min_budget, args.max_budget),
                             max_budget=args.max_budget),
         max_tokens_limit=args.max_tokens_limit, default_max_tokens=min(args.default_max_tokens, args.max_tokens_limit),
-        max_top_k=args.max_top_k)
+        max_top_k=args.max_top_k, reattach_after_s=args.reattach_after_s)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,15 +123,16 @@ def serve(args, provider, log: logging.Logger) -> int:
     drafter = tree = None
     transport = None
     if args.drafter_endpoint or args.treebuild_endpoint:
-        from ddtree.engine.remote import RemoteDrafter, RemoteTree, verify_transport
+        from ddtree.engine.remote import connect_drafter, connect_treebuild, verify_transport
 
-        transport = verify_transport(target, config)
+        transport = verify_transport(target)
         if args.drafter_endpoint:
-            drafter = RemoteDrafter(args.drafter_endpoint, transport, drafter_dir=args.drafter,
-                                    feature_width=target.feature_width, max_items=config.scheduler.max_running)
+            drafter = connect_drafter(args.drafter_endpoint, transport, drafter_dir=args.drafter, target=target,
+                                      wait_s=args.peer_wait_s)
         if args.treebuild_endpoint:
-            tree = RemoteTree(args.treebuild_endpoint, transport, max_batch=config.scheduler.max_running,
-                              max_budget=config.budget.max_budget, draft_len=drafter.block_size - 1 if drafter else 32)
+            tree = connect_treebuild(args.treebuild_endpoint, transport, max_batch=config.scheduler.max_running,
+                                     max_budget=config.budget.max_budget, max_top_k=config.max_top_k,
+                                     draft_len=drafter.block_size - 1 if drafter else 32, wait_s=args.peer_wait_s)
     engine = build_local_engine(setup, config, target=target, drafter=drafter, tree=tree, tracer=None)
     block_size = engine.drafter.block_size if engine.drafter is not None else 0
     drafter_name = os.path.basename(os.path.normpath(args.drafter)) if args.drafter else ""
@@ -160,7 +165,7 @@ def serve(args, provider, log: logging.Logger) -> int:
     if engine.fatal is not None:
         exit_code[0] = exit_code[0] or 1
     for backend in (drafter, tree):
-        if backend is not None:
+        if backend is not None and hasattr(backend, "close"):
             backend.close()
     if transport is not None:
         transport.close()

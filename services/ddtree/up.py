@@ -1,0 +1,222 @@
+"""`ddtree up`: the whole deployment on one host, as three processes.
+
+    ddtree up --target DIR --drafter DIR [--host 127.0.0.1 --port 50051] [--tp N] [--device auto]
+
+Starts the tree-build sidecar and the drafter service on loopback ports, waits until both report
+SERVING, then starts the verify service (public API on --host:--port, default 127.0.0.1:50051)
+pointed at them, waits for it, prints the endpoints and stays in the foreground. Ctrl-C or
+SIGTERM stops all three (SIGTERM, then SIGKILL after --grace-s). A drafter or sidecar that crashes
+is restarted (the verify service serves degraded meanwhile, then re-attaches it); if the verify
+service exits, the others are stopped and `ddtree up` exits with status 1. On a GPU host every service uses
+GPU 0 (verify ranks use GPUs 0..N-1) and tensors move by CUDA IPC; on CPU, by shared memory.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+DEFAULT_PORT = 50051
+# `ddtree serve NAME`: the module whose add_serve_parser(serve_subparsers) registers NAME.
+SERVICES = {"verify": "ddtree.verify.main", "drafter": "ddtree.drafter.main", "treebuild": "ddtree.treebuild.main"}
+
+
+def add_up_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("up", help="start verify + drafter + tree-build sidecar on this host",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_up_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_up_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target checkpoint directory")
+    p.add_argument("--drafter", required=True, help="DFlash drafter checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="public API address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"public API port (default {DEFAULT_PORT})")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the verify service")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
+    p.add_argument("--no-sidecar", action="store_true", help="build trees inside the verify service")
+    p.add_argument("--startup-timeout-s", type=float, default=600.0, help="per service (default 600)")
+    p.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL delay at shutdown")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts of a crashed drafter/sidecar before giving up (verify is never restarted)")
+    p.add_argument("--verify-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for `ddtree serve verify` (repeatable), e.g. --verify-arg=--max-running=32")
+
+
+@dataclass
+class Child:
+    name: str
+    endpoint: str
+    proc: subprocess.Popen
+    args: list[str]
+    lines: list[str] = field(default_factory=list)
+
+
+def serve_command(name: str, args: list[str]) -> list[str]:
+    """The command line that runs `ddtree serve NAME ARGS` with this interpreter."""
+    return [sys.executable, "-m", "ddtree.up", "serve", name, *args]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def service_available(name: str) -> bool:
+    try:
+        importlib.import_module(SERVICES[name])
+        return True
+    except ImportError:
+        return False
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
+    """(name, endpoint, `ddtree serve` arguments) in start order."""
+    device = args.device
+    sidecar_device = "cuda:0" if device.startswith("cuda") else device
+    services = []
+    if not args.no_sidecar and service_available("treebuild"):
+        tb = f"127.0.0.1:{free_port()}"
+        services.append(("treebuild", tb, ["--host", "127.0.0.1", "--port", tb.rsplit(":", 1)[1],
+                                           "--device", sidecar_device]))
+    dr = f"127.0.0.1:{free_port()}"
+    services.append(("drafter", dr, ["--drafter", args.drafter, "--target", args.target, "--host", "127.0.0.1",
+                                     "--port", dr.rsplit(":", 1)[1], "--device", sidecar_device]))
+    verify = ["--target", args.target, "--drafter", args.drafter, "--drafter-endpoint", dr, "--host", args.host,
+              "--port", str(args.port), "--tp", str(args.tp), "--device", device]
+    if services[0][0] == "treebuild":
+        verify += ["--treebuild-endpoint", services[0][1]]
+    services.append(("verify", f"{args.host}:{args.port}", verify + list(args.verify_arg)))
+    return services
+
+
+def wait_serving(child: Child, timeout_s: float) -> None:
+    """Polls the gRPC health service until SERVING; raises if the process exits or time runs out."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    host, port = child.endpoint.rsplit(":", 1)
+    target = f"{'127.0.0.1' if host in ('0.0.0.0', '::', '[::]') else host}:{port}"
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} during start")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise RuntimeError(f"{child.name} did not become SERVING within {timeout_s:.0f}s")
+
+
+def _pump(child: Child) -> None:
+    """Forwards a child's output, prefixed with its name (the JSON log lines stay intact)."""
+    for line in child.proc.stdout:
+        child.lines.append(line)
+        sys.stderr.write(f"[{child.name}] {line}")
+
+
+def stop_all(children: list[Child], grace_s: float) -> None:
+    for child in reversed(children):  # verify first: it is the others' client
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in reversed(children):
+        try:
+            child.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"ddtree up: {child.name} did not stop in {grace_s:.0f}s; killing it", file=sys.stderr)
+            child.proc.kill()
+            child.proc.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    env = dict(os.environ)
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # CUDA IPC producers need it
+    children: list[Child] = []
+    try:
+        def start(name: str, endpoint: str, serve_args: list[str]) -> Child:
+            proc = subprocess.Popen(serve_command(name, serve_args), env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            child = Child(name, endpoint, proc, serve_args)
+            threading.Thread(target=_pump, args=(child,), daemon=True).start()
+            return child
+
+        for name, endpoint, serve_args in plan(args):
+            children.append(start(name, endpoint, serve_args))
+            wait_serving(children[-1], args.startup_timeout_s)
+            if stop.is_set():
+                raise KeyboardInterrupt
+        for child in children:
+            print(f"ddtree up: {child.name:9s} {child.endpoint}  (pid {child.proc.pid})", flush=True)
+        print(f"ddtree up: ready; public API on {args.host}:{args.port}. Ctrl-C stops everything.", flush=True)
+        restarts = 0
+        while not stop.wait(0.2):
+            for i, child in enumerate(children):
+                if child.proc.poll() is None:
+                    continue
+                if child.name == "verify" or restarts >= args.max_restarts:
+                    print(f"ddtree up: {child.name} exited with code {child.proc.returncode}; stopping the others",
+                          file=sys.stderr, flush=True)
+                    return 1
+                # A peer crashed: verify keeps serving (degraded) and re-attaches once it is back.
+                restarts += 1
+                print(f"ddtree up: {child.name} exited with code {child.proc.returncode}; restarting it "
+                      f"({restarts}/{args.max_restarts})", file=sys.stderr, flush=True)
+                children[i] = start(child.name, child.endpoint, child.args)
+                wait_serving(children[i], args.startup_timeout_s)
+                print(f"ddtree up: {child.name:9s} {child.endpoint}  (pid {children[i].proc.pid}) restarted", flush=True)
+        print("ddtree up: stopping", file=sys.stderr, flush=True)
+        return 0
+    except RuntimeError as exc:
+        print(f"ddtree up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_all(children, args.grace_s)
+
+
+def serve_main(argv: list[str]) -> int:
+    """`python -m ddtree.up serve NAME ...`: runs one service with the same parser as `ddtree serve NAME`."""
+    parser = argparse.ArgumentParser(prog="ddtree serve")
+    sub = parser.add_subparsers(dest="service", metavar="SERVICE", required=True)
+    for module in SERVICES.values():
+        try:
+            importlib.import_module(module).add_serve_parser(sub)
+        except ImportError:
+            continue
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        return serve_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="ddtree up", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_up_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""`ddtree up` end to end: the services as real subprocesses over real gRPC and the shm transport.
+
+Speculative output == ar; the drafter process SIGKILLed mid-generation -> the stream still equals
+ar and reports the degradation; `ddtree up` restarts the drafter and the verify service re-attaches
+it (new requests speculate again); SIGTERM stops everything and leaves no process behind.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from test_engine_common import make_pair
+from test_verify_service import service_env
+
+from ddtree.up import free_port
+from ddtree.v1 import generation_pb2 as pb
+from ddtree.v1 import generation_pb2_grpc
+
+pytest.importorskip("dflash.model")
+
+
+class Up:
+    def __init__(self, args, env):
+        self.proc = subprocess.Popen([sys.executable, "-m", "ddtree.up", *args], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float, after: int = 0) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, "".join(self.lines[after:]))
+            if m:
+                return m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{pattern!r} not seen:\n{self.text()[-6000:]}")
+
+
+def stream(stub, prompt, mode, n, timeout=120):
+    return stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), speculation=pb.SpeculationParams(
+        mode=mode), sampling=pb.SamplingParams(max_tokens=n, ignore_eos=True)), timeout=timeout)
+
+
+def tokens_of(chunks):
+    return [t for c in chunks for t in c.token_ids]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as fh:  # a zombie is dead too
+        return fh.read().split()[2] != "Z"
+
+
+def test_up_serves_degrades_restarts_and_stops(tmp_path, subprocess_env):
+    target, drafter = make_pair(tmp_path)
+    port = free_port()
+    up = Up(["--target", str(target), "--drafter", str(drafter), "--port", str(port), "--device", "cpu",
+             "--verify-arg=--reattach-after-s=0.5", "--verify-arg=--max-budget=32", "--verify-arg=--page-size=8",
+             "--verify-arg=--num-pages=1024", "--grace-s", "15"], service_env(subprocess_env))
+    try:
+        up.wait_for(r"ready; public API on 127\.0\.0\.1:%d" % port, 240)
+        pids = {m.group(1): int(m.group(2)) for m in re.finditer(r"ddtree up: (\w+)\s+\S+\s+\(pid (\d+)\)", up.text())}
+        assert {"drafter", "verify"} <= set(pids)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            prompt = [3, 1, 4, 1, 5]
+            ar = tokens_of(stream(stub, prompt, pb.MODE_AR, 150))
+            chunks = list(stream(stub, prompt, pb.MODE_DDTREE, 150))
+            assert tokens_of(chunks) == ar and chunks[-1].usage.mean_acceptance_length > 1.2
+            assert not chunks[-1].degradation
+
+            # the drafter dies in the middle of a generation
+            it = stream(stub, prompt, pb.MODE_DDTREE, 150)
+            got = [next(it), next(it)]
+            os.kill(pids["drafter"], signal.SIGKILL)
+            got += list(it)
+            assert tokens_of(got) == ar
+            assert "drafter unavailable" in got[-1].degradation and got[-1].usage.mode == pb.MODE_AR
+
+            # `ddtree up` restarts it; the verify service re-attaches and speculates again
+            mark = len(up.lines)
+            up.wait_for(r"drafter exited with code -9; restarting it", 30, after=0)
+            up.wait_for(r"drafter listening on", 120, after=mark)
+            deadline = time.monotonic() + 60
+            while True:
+                chunks = list(stream(stub, prompt, pb.MODE_DDTREE, 40))
+                if chunks[-1].usage.mode == pb.MODE_DDTREE and not chunks[-1].degradation:
+                    break
+                assert time.monotonic() < deadline, "the drafter was never re-attached"
+                time.sleep(0.5)
+            assert tokens_of(chunks) == ar[:40]
+
+            with pytest.raises(grpc.RpcError) as err:
+                list(stream(stub, [], pb.MODE_DDTREE, 4))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        children = [int(m.group(1)) for m in re.finditer(r"\(pid (\d+)\)", up.text())]
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(p) for p in children)
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+            up.proc.wait()
