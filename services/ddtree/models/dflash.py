@@ -133,6 +133,14 @@ class Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """Host index tensor -> device without a host sync (pinned, non-blocking), so a step's
+    launches are never serialised behind the GPU's earlier work."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 # ---- per-request context cache -----------------------------------------------------------------
 class ContextCacheFull(RuntimeError):
     """No free pages left for the context of this step (release requests or size the cache up)."""
@@ -228,7 +236,7 @@ class DrafterContextCache:
             t = torch.arange(start, start + n)
             slots.append(torch.tensor(pages, dtype=torch.long)[t // self.page_size] * self.page_size + t % self.page_size)
             self._length[rid] = start + n
-        index = torch.cat(slots).to(self.k.device) if slots else None
+        index = to_device(torch.cat(slots), self.k.device) if slots else None
         if index is not None and index.numel():
             self.k.flatten(1, 2).index_copy_(1, index, k.to(self.k.dtype))
             self.v.flatten(1, 2).index_copy_(1, index, v.to(self.v.dtype))
@@ -237,7 +245,7 @@ class DrafterContextCache:
         """[B, max pages] page ids (padding repeats page 0; the lengths mask it out)."""
         width = max([len(self._pages.get(r, ())) for r in request_ids] + [0])
         rows = [self._pages.get(r, []) + [0] * (width - len(self._pages.get(r, []))) for r in request_ids]
-        return torch.tensor(rows, device=self.k.device, dtype=torch.long).reshape(len(request_ids), width)
+        return to_device(torch.tensor(rows, dtype=torch.long).reshape(len(request_ids), width), self.k.device)
 
     def layer_kv(self, layer: int, page_table: Tensor) -> tuple[Tensor, Tensor]:
         """Padded context keys/values of one layer: [B, pages * page_size, kv_heads, head_dim]."""
@@ -407,16 +415,17 @@ class DFlashDrafter(nn.Module):
         feats = torch.cat([f.to(self.device, self.dtype) for f in new_features]) if new_features else \
             torch.empty(0, self.config.feature_width, device=self.device, dtype=self.dtype)
         pos = torch.cat([torch.arange(s, s + n) for _, s, n in spans] or [torch.empty(0, dtype=torch.long)])
-        k, v = self.context_kv(feats, pos.to(self.device))
+        k, v = self.context_kv(feats, to_device(pos, self.device))
         cache.write(spans, k, v)
 
     def block_hidden(self, cache: DrafterContextCache, request_ids: Sequence[str], bonus_tokens: Tensor) -> Tensor:
         """Final hidden states [B, block_size, hidden] of each request's block, attending to its cached context."""
         c = self.config
         bsz, block = len(request_ids), c.block_size
-        lengths = torch.tensor([cache.length(r) for r in request_ids], device=self.device)
-        tokens = torch.full((bsz, block), c.mask_token_id, device=self.device, dtype=torch.long)
-        tokens[:, 0] = bonus_tokens.to(self.device)
+        lengths = to_device(torch.tensor([cache.length(r) for r in request_ids]), self.device)
+        tokens = torch.full((bsz, block), c.mask_token_id, dtype=torch.long)
+        tokens[:, 0] = bonus_tokens
+        tokens = to_device(tokens, self.device)
         x = self.embed(tokens)
         q_pos = lengths[:, None] + torch.arange(block, device=self.device)      # [B, S]
         cos, sin = self.rotary(q_pos, self.dtype)
@@ -436,7 +445,7 @@ class DFlashDrafter(nn.Module):
 
     def _prepare(self, cache: DrafterContextCache, request_ids: Sequence[str], new_features: Sequence[Tensor],
                  bonus_tokens: Sequence[int] | Tensor, positions: Sequence[int]) -> Tensor:
-        bonus = torch.as_tensor(bonus_tokens, dtype=torch.long).reshape(-1)
+        bonus = torch.as_tensor(bonus_tokens).to("cpu", torch.long).reshape(-1)  # host ints: checked here
         if bonus.numel() != len(request_ids):
             raise ValueError(f"{bonus.numel()} bonus tokens for {len(request_ids)} requests")
         bad = [(r, int(t)) for r, t in zip(request_ids, bonus.tolist()) if not 0 <= t < self.config.vocab_size]
