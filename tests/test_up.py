@@ -1,7 +1,7 @@
-"""`ddtree up` end to end: the services as real subprocesses over real gRPC and the shm transport.
+"""`ddtree up` end to end: the three services as real subprocesses over real gRPC and shm transport.
 
 Speculative output == ar; the drafter process SIGKILLed mid-generation -> the stream still equals
-ar and reports the degradation; `ddtree up` restarts the drafter and the verify service re-attaches
+ar and reports the degradation; the same for the tree-build sidecar (in-process build meanwhile); `ddtree up` restarts the drafter and the verify service re-attaches
 it (new requests speculate again); SIGTERM stops everything and leaves no process behind.
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ def test_up_serves_degrades_restarts_and_stops(tmp_path, subprocess_env):
     try:
         up.wait_for(r"ready; public API on 127\.0\.0\.1:%d" % port, 240)
         pids = {m.group(1): int(m.group(2)) for m in re.finditer(r"ddtree up: (\w+)\s+\S+\s+\(pid (\d+)\)", up.text())}
-        assert {"drafter", "verify"} <= set(pids)
+        assert {"drafter", "verify", "treebuild"} <= set(pids)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = generation_pb2_grpc.GenerationStub(ch)
             prompt = [3, 1, 4, 1, 5]
@@ -109,6 +109,16 @@ def test_up_serves_degrades_restarts_and_stops(tmp_path, subprocess_env):
                 assert time.monotonic() < deadline, "the drafter was never re-attached"
                 time.sleep(0.5)
             assert tokens_of(chunks) == ar[:40]
+
+            # the tree-build sidecar dies mid-generation: trees are built in process meanwhile
+            if "treebuild" in pids:
+                it = stream(stub, prompt, pb.MODE_DDTREE, 150)
+                got = [next(it), next(it)]
+                os.kill(pids["treebuild"], signal.SIGKILL)
+                got += list(it)
+                assert tokens_of(got) == ar
+                assert "treebuild unavailable" in got[-1].degradation and got[-1].usage.mode == pb.MODE_DDTREE
+                up.wait_for(r"treebuild exited with code -9; restarting it", 30)
 
             with pytest.raises(grpc.RpcError) as err:
                 list(stream(stub, [], pb.MODE_DDTREE, 4))
