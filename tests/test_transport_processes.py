@@ -274,3 +274,31 @@ def test_cuda_ipc_without_a_gpu_fails_loudly_or_falls_back_with_a_trace(tmp_path
     assert _stop(proc) == 0
     spans = trace_file.read_text()
     assert "transport.self_test" in spans and "ddtree.transport.fallback_reason" in spans
+
+
+def test_server_on_another_host_refuses_shm_handles_and_the_link_goes_inline(caplog):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DDTREE_HOST_ID="some-other-machine")
+    proc, info = _start_server(env, "--kind", "shm")
+    transport = Transport(TransportConfig(peer_id="far-client", kind="shm"))
+    channel = grpc.insecure_channel(f"127.0.0.1:{info['port']}", options=channel_options())
+    try:
+        link = PeerLink(transport, channel)
+        with caplog.at_level("WARNING", logger="ddtree.transport.peer"):
+            reply = link.attach()
+        assert reply.kind == tensor_pb2.REGION_KIND_INLINE and "another host" in reply.fallback_reason
+        assert any("attaching inline" in r.getMessage() for r in caplog.records)
+        gen = torch.Generator().manual_seed(3)
+        for step in range(20):   # bytes travel inside the messages both ways
+            data = _random_tensor(gen, 4096)
+            request_ref = link.send(transport.probe.put(step % 4, data))
+            assert len(request_ref.inline_data) == data.numel() * data.element_size()
+            reply = link.stub.Probe(transport_pb2.ProbeRequest(step_id=step, input=request_ref, echo=True),
+                                    metadata=link.metadata, timeout=10)
+            assert reply.checksum == checksum(data) and reply.output.inline_data
+            assert torch.equal(_bytes(link.resolve(reply.output)), _bytes(data))
+        link.detach()
+    finally:
+        channel.close()
+        transport.close()
+        assert _stop(proc) == 0
+    assert _segments_of(proc.pid, os.getpid()) == []
