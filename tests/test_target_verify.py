@@ -100,6 +100,17 @@ def test_sampled_verify_is_seeded_per_request(checkpoint):
     probs = target_probs(runs[0].logits[0], params[0])
     assert (probs.gather(1, runs[0].posterior[0][:, None]) > 0).all()  # only kept tokens are drawn
 
+    # sampled prefill: seeded, drawn from the last row's distribution, no logits unless asked
+    firsts = []
+    for s in (5, 6):
+        model.add_sequence(s)
+        out = model.prefill(s, torch.arange(6), sampling=SamplingParams(temperature=1.5, top_k=3),
+                            generator=torch.Generator().manual_seed(7))
+        assert out.logits is None
+        firsts.append(int(out.posterior))
+    last = model.logits(torch.arange(6)[None])[0, -1]
+    assert firsts[0] == firsts[1] and firsts[0] in last.topk(3).indices.tolist()
+
 
 def test_target_probs_top_k_top_p_and_sampling_frequencies():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])

@@ -261,11 +261,14 @@ class TargetModel(nn.Module):
             raise ValueError("chunk_size must be >= 1")
         self._check_ids(tokens, "tokens")
         cache.reserve([seq_id], tokens.numel())  # raises (before any broadcast) if it cannot fit
-        flags = torch.tensor([seq_id, chunk_size, int(return_logits or not sampling.greedy)], device=self.device)
+        # what the head computes (all ranks must agree): 0 argmax of the last row, 1 full logits of
+        # the last row (to sample), 2 full logits of every row (asked for)
+        head = 2 if return_logits else int(not sampling.greedy)
+        flags = torch.tensor([seq_id, chunk_size, head], device=self.device)
         self._announce("prefill", [flags, tokens])
-        return self._prefill(seq_id, tokens, chunk_size, bool(flags[2]), sampling, generator, return_logits)
+        return self._prefill(seq_id, tokens, chunk_size, head, sampling, generator)
 
-    def _prefill(self, seq_id, tokens, chunk_size, need_full, sampling=GREEDY, generator=None, return_logits=False):
+    def _prefill(self, seq_id, tokens, chunk_size, head, sampling=GREEDY, generator=None):
         outs = []
         for start in range(0, tokens.numel(), chunk_size):
             chunk = tokens[start : start + chunk_size]
@@ -277,12 +280,14 @@ class TargetModel(nn.Module):
             outs.append((x, feats))
         x = torch.cat([o[0] for o in outs])
         feats = None if outs[0][1] is None else torch.cat([o[1] for o in outs], dim=1)
-        if return_logits or need_full:
-            logits = self._full_logits(x).unsqueeze(0)  # [1, S, V]
-            token = sample_tokens(logits[0, -1:], sampling, generator)
+        logits = None
+        if head == 0:
+            token = self._argmax(x[-1:])
         else:
-            logits, token = None, self._argmax(x[-1:])
-        return StepOutput(token.view(1, 1), logits if return_logits else None, feats)
+            rows = self._full_logits(x if head == 2 else x[-1:])
+            token = sample_tokens(rows[-1:], sampling, generator)
+            logits = rows.unsqueeze(0) if head == 2 else None
+        return StepOutput(token.view(1, 1), logits, feats)
 
     @torch.inference_mode()
     def verify(self, seq_ids: Sequence[int], root_tokens: torch.Tensor, tree_tokens: torch.Tensor,
@@ -416,9 +421,9 @@ class TargetModel(nn.Module):
                 elif name == "release":
                     self.cache.release(int(args[0][0]))
                 elif name == "prefill":
-                    seq_id, chunk, need_full = (int(v) for v in args[0])
+                    seq_id, chunk, head = (int(v) for v in args[0])
                     self.cache.reserve([seq_id], args[1].numel())
-                    self._prefill(seq_id, args[1], chunk, bool(need_full))
+                    self._prefill(seq_id, args[1], chunk, head)
                 elif name == "verify":
                     ids = args[0].tolist()
                     self._verify(ids[:-1], args[1], args[2], args[3], bool(ids[-1]))
