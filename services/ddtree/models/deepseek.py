@@ -51,6 +51,9 @@ class StepOutput:
 
 
 class TargetModel(nn.Module):
+    """The target on one tensor-parallel rank. Build it with `from_pretrained` (the constructor
+    leaves weights uninitialized); `allocate_cache` before prefill/verify/commit."""
+
     def __init__(self, cfg: TargetConfig, *, dtype: torch.dtype = torch.bfloat16, device="cpu",
                  tp: TensorParallel | None = None, feature_layers: Sequence[int] = ()):
         super().__init__()
