@@ -297,3 +297,33 @@ def test_server_choice_falls_back_to_ar_when_speculation_does_not_pay(models):
         assert tokens == ar and usage.mode is Mode.DDTREE  # an explicit mode is kept
     finally:
         eng.stop()
+
+
+class NanDrafter(LocalDrafter):
+    """The real drafter whose log-probs turn NaN on every other step (a numerically broken peer)."""
+
+    def __init__(self, inner: LocalDrafter):
+        super().__init__(inner.model, inner.cache, inner.name)
+        self.calls = 0
+
+    def draft(self, step_id, items, k):
+        lp, ids = super().draft(step_id, items, k)
+        self.calls += 1
+        return (lp * float("nan"), ids) if self.calls % 2 else (lp, ids)
+
+
+def test_a_failed_tree_build_verifies_the_roots_and_output_is_unchanged(engine, models):
+    from ddtree.engine.loader import load_target, local_drafter
+
+    target, drafter = models
+    setup = ModelSetup(target=str(target), drafter=str(drafter))
+    tgt = load_target(setup, CONFIG)
+    eng = build_local_engine(setup, CONFIG, target=tgt, drafter=NanDrafter(local_drafter(setup, tgt, CONFIG))).start()
+    try:
+        p = prompts(1, seed=8)[0]
+        expected = collect(engine.submit(spec(engine, p, "ar", 12)))[0]
+        tokens, chunks, usage = collect(eng.submit(spec(eng, p, "ddtree", 12)))
+        assert tokens == expected and usage.mode is Mode.DDTREE
+        assert 1 in [c.accepted_length for c in chunks[1:]] and eng.fatal is None
+    finally:
+        eng.stop()

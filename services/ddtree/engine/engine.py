@@ -151,7 +151,7 @@ class _Request:
 class Engine:
     def __init__(self, target: TargetRunner, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(), *,
                  drafter: DrafterBackend | None = None, tree: TreeBackend | None = None,
-                 local_tree: TreeBackend | None = None, tracer=None):
+                 local_tree: TreeBackend | None = None, tracer=None, on_fatal=None):
         self.target, self.tokenizer, self.config = target, tokenizer, config
         self.drafter = drafter
         self.local_tree = local_tree
@@ -168,6 +168,9 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.fatal: BaseException | None = None
+        self._on_fatal = on_fatal  # called once (engine thread) after a fatal error failed every request
+        device = getattr(target, "device", None)
+        self.timer = S.GpuTimer(enabled=device is not None and torch.device(device).type == "cuda", device=device)
 
     # ---- public ----------------------------------------------------------------------------------
     @property
@@ -251,6 +254,8 @@ class Engine:
             self.fatal = exc
             for req in list(self._requests.values()):
                 self._finish(req, FinishReason.ERROR, error=f"engine failed: {exc}")
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
         finally:
             for req in list(self._requests.values()):
                 self._finish(req, FinishReason.CANCELLED, error="server shutting down")
@@ -301,13 +306,16 @@ class Engine:
                          requests=[r.span for r in batch], tp_size=self.target.tp_size) as step:
             trees = self._propose(step_id, batch, spec_rows)
             roots = torch.tensor([r.bonus for r in batch], dtype=torch.int64)
-            with S.component_span(self.tracer, S.VERIFY, backend="local"):
+            with S.component_span(self.tracer, S.VERIFY, backend="local"), self.timer.region(S.VERIFY):
                 posterior, features = self.target.verify([r.seq_id for r in batch], roots, trees,
-                                                         [r.sampler for r in batch])
+                                                         [r.sampler for r in batch])  # syncs (posterior on host)
             accepted = self._accept(step_id, trees, posterior)
-            with S.component_span(self.tracer, S.COMMIT, backend="local"):
+            with S.component_span(self.tracer, S.COMMIT, backend="local"), self.timer.region(S.COMMIT):
                 self.target.commit([r.seq_id for r in batch], accepted.keep)
                 committed = self._commit(batch, trees, accepted, features)
+            self.timer.flush(self.tracer)  # the verify's host sync already waited: ~free
+            if self._down:
+                step.set_attribute(S.DEGRADATION, "; ".join(reason for _, reason in self._down.values()))
             S.end_step(step, tree_nodes=int(trees.num_nodes.sum()) + len(batch), accepted_tokens=committed)
 
     def _apply_policy(self, batch: list[_Request]) -> None:
@@ -328,8 +336,8 @@ class Engine:
         if self.drafter is not None:
             try:
                 self.drafter.release([req.id])
-            except PeerUnavailable:
-                pass
+            except (PeerUnavailable, ValueError) as exc:
+                log.warning("drafter release of %s failed: %s", req.id, exc)
 
     def _peer_ok(self, name: str) -> bool:
         down = self._down.get(name)
@@ -358,6 +366,7 @@ class Engine:
 
     def _propose(self, step_id: int, batch: list[_Request], spec_rows: list[_Request]) -> TreeBatch:
         """Draft and build the trees of the speculative rows; roots only for the rest."""
+        top_lp = top_ids = None
         if spec_rows and not self._peer_ok("drafter"):
             for r in spec_rows:
                 self._to_ar(r, f"drafter unavailable: ar ({self._down['drafter'][1]})")
@@ -367,9 +376,12 @@ class Engine:
                     self.config.max_top_k, self.drafter.vocab_size)
             items = [DraftItem(r.id, r.bonus, r.position, r.new_features) for r in spec_rows]
             try:
-                with S.component_span(self.tracer, S.DRAFT, backend=self.drafter.name):
+                with S.component_span(self.tracer, S.DRAFT, backend=self.drafter.name) as span:
                     top_lp, top_ids = self.drafter.draft(step_id, items, k)
-            except PeerUnavailable as exc:
+                    S.record_server_timing(span, getattr(self.drafter, "last_timing", None))
+            except (PeerUnavailable, ValueError) as exc:  # ValueError: the drafter refused our call
+                if isinstance(exc, ValueError):
+                    log.error("drafter failed a draft: %s", exc)
                 reason = self._mark_down("drafter", exc)
                 for r in spec_rows:  # the drafter lost (or may have lost) their context: ar from now on
                     self._to_ar(r, f"drafter unavailable: ar ({reason})")
@@ -378,8 +390,17 @@ class Engine:
                 for r in spec_rows:
                     r.new_features = None
         parts: dict[int, TreeBatch] = {}
+        try:
+            self._build_rows(step_id, spec_rows, top_lp, top_ids, parts)
+        except ValueError as exc:  # e.g. NaN log-probs from the drafter: this step verifies roots only
+            log.error("tree build failed for step %d: %s; verifying the roots only", step_id, exc)
+            parts.clear()
+        rows = [parts.get(id(r)) or TreeBatch.roots_only(1) for r in batch]
+        return concat_trees(rows)
+
+    def _build_rows(self, step_id, spec_rows, top_lp, top_ids, parts) -> None:
         if spec_rows:
-            with S.component_span(self.tracer, S.TREE_BUILD, backend=self._tree_name()):
+            with S.component_span(self.tracer, S.TREE_BUILD, backend=self._tree_name()) as span:
                 for mode in (Mode.DDTREE, Mode.CHAIN):
                     rows = [i for i, r in enumerate(spec_rows) if r.mode is mode]
                     if not rows:
@@ -390,19 +411,18 @@ class Engine:
                     else:
                         lp, ids, budget = top_lp[idx], top_ids[idx], [spec_rows[i].budget for i in rows]
                     built = self._build(step_id, lp.contiguous(), ids.contiguous(), budget)
+                    S.record_server_timing(span, getattr(self.tree, "last_timing", None))
                     for j, i in enumerate(rows):
                         parts[id(spec_rows[i])] = _row(built, j)
-        rows = [parts.get(id(r)) or TreeBatch.roots_only(1) for r in batch]
-        return concat_trees(rows)
 
     def _tree_name(self) -> str:
-        return self.tree.name if self.tree is not None and self._peer_ok("treebuild") else "local"
+        return "local" if self.tree is None or "treebuild" in self._down else self.tree.name
 
     def _build(self, step_id: int, lp: torch.Tensor, ids: torch.Tensor, budget) -> TreeBatch:
         if self.tree is not self.local_tree and self._peer_ok("treebuild"):
             try:
                 return self.tree.build(step_id, lp, ids, budget)
-            except PeerUnavailable as exc:
+            except (PeerUnavailable, ValueError) as exc:
                 self._mark_down("treebuild", exc)
         return self.local_tree.build(step_id, lp, ids, budget)
 
@@ -411,11 +431,13 @@ class Engine:
             b = posterior.shape[0]
             zeros = torch.zeros(b, 1, dtype=torch.int64)
             return Accepted(path=zeros, length=torch.ones(b, dtype=torch.int64), bonus=posterior[:, 0], keep=zeros)
-        with S.component_span(self.tracer, S.ACCEPT, backend=self._tree_name()):
+        with S.component_span(self.tracer, S.ACCEPT, backend=self._tree_name()) as span:
             if self.tree is not self.local_tree and self._peer_ok("treebuild"):
                 try:
-                    return self.tree.accept(step_id, trees, posterior)
-                except PeerUnavailable as exc:
+                    accepted = self.tree.accept(step_id, trees, posterior)
+                    S.record_server_timing(span, getattr(self.tree, "last_timing", None))
+                    return accepted
+                except (PeerUnavailable, ValueError) as exc:
                     self._mark_down("treebuild", exc)
             return self.local_tree.accept(step_id, trees, posterior)
 
@@ -462,8 +484,8 @@ class Engine:
         if self.drafter is not None and req.mode is not Mode.AR:
             try:
                 self.drafter.release([req.id])
-            except PeerUnavailable:
-                pass
+            except (PeerUnavailable, ValueError) as exc:
+                log.warning("drafter release of %s failed: %s", req.id, exc)
         with self._wake:
             self._requests.pop(req.id, None)
         mean = req.committed / req.steps if req.steps else 0.0

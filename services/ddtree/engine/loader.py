@@ -89,7 +89,7 @@ def tree_backend(setup: ModelSetup) -> str:
 
 
 def build_local_engine(setup: ModelSetup, config: EngineConfig = EngineConfig(), *, target: LocalTarget | None = None,
-                       drafter=None, tree=None, tracer=None) -> Engine:
+                       drafter=None, tree=None, tracer=None, on_fatal=None) -> Engine:
     """Target (+ in-process drafter when setup.drafter) + tokenizer + in-process tree build.
 
     `drafter`/`tree` override the in-process ones (remote backends from ddtree.engine.remote).
@@ -100,4 +100,4 @@ def build_local_engine(setup: ModelSetup, config: EngineConfig = EngineConfig(),
     tokenizer = load_tokenizer(setup.target, target.vocab_size)
     local_tree = LocalTree(tree_backend(setup))
     return Engine(target, tokenizer, config, drafter=drafter, tree=tree or local_tree, local_tree=local_tree,
-                  tracer=tracer)
+                  tracer=tracer, on_fatal=on_fatal)

@@ -46,6 +46,7 @@ class LocalTarget:
 
     def __init__(self, model, *, name: str, max_context: int):
         self.model = model
+        self.device = model.device
         cfg = model.cfg
         self.name, self.model_type = name, cfg.model_type
         self.vocab_size = cfg.vocab_size

@@ -133,7 +133,15 @@ def serve(args, provider, log: logging.Logger) -> int:
             tree = connect_treebuild(args.treebuild_endpoint, transport, max_batch=config.scheduler.max_running,
                                      max_budget=config.budget.max_budget, max_top_k=config.max_top_k,
                                      draft_len=drafter.block_size - 1 if drafter else 32, wait_s=args.peer_wait_s)
-    engine = build_local_engine(setup, config, target=target, drafter=drafter, tree=tree, tracer=None)
+    server_box: list = []
+
+    def on_fatal(exc: BaseException) -> None:  # the target failed: stop serving (a supervisor restarts us)
+        log.error("engine failed (%s); stopping the verify service", exc)
+        if server_box:
+            server_box[0].set_serving(False)
+            threading.Thread(target=server_box[0].stop, daemon=True).start()
+
+    engine = build_local_engine(setup, config, target=target, drafter=drafter, tree=tree, on_fatal=on_fatal)
     block_size = engine.drafter.block_size if engine.drafter is not None else 0
     drafter_name = os.path.basename(os.path.normpath(args.drafter)) if args.drafter else ""
 
@@ -141,6 +149,7 @@ def serve(args, provider, log: logging.Logger) -> int:
                                      tls_key=args.tls_key), provider)
     server.add(generation_pb2_grpc.add_GenerationServicer_to_server,
                GenerationServicer(engine, drafter_name=drafter_name, block_size=block_size), "ddtree.v1.Generation")
+    server_box.append(server)
     port = server.start()
     engine.start()
     exit_code = [0]
