@@ -17,6 +17,7 @@ import grpc
 import torch
 
 from ddtree.engine.backends import DraftItem, PeerUnavailable
+from ddtree.models.dflash import UNKNOWN_REQUEST
 from ddtree.transport import PeerLink, Transport, align
 from ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -25,6 +26,12 @@ log = logging.getLogger(__name__)
 FEATURE_REGION = "engine/draft_features"
 UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+
+
+class DrafterContextLost(PeerUnavailable):
+    """The drafter does not know a request it should (it restarted, or the request was released):
+    its earlier context is gone, so the engine must stop drafting for it (degrade, as for an
+    unreachable peer) rather than fail the request."""
 
 
 class RemoteDrafter:
@@ -71,6 +78,10 @@ class RemoteDrafter:
         if request_ids:
             self._call(self.stub.Release, drafter_pb2.ReleaseRequest(request_ids=list(request_ids)),
                        timeout=self.timeout_s, metadata=self.link.metadata)
+
+    def reattach(self) -> None:
+        """Attaches again (after the drafter restarted); contexts it had are gone."""
+        self._call(self.link.attach, timeout=self.timeout_s)
 
     def close(self) -> None:
         try:
@@ -129,4 +140,6 @@ class RemoteDrafter:
             code = exc.code() if hasattr(exc, "code") else None
             if code in UNAVAILABLE:
                 raise PeerUnavailable(f"drafter: {code.name if code else 'error'}: {exc.details()}") from None
+            if code == grpc.StatusCode.INVALID_ARGUMENT and (exc.details() or "").startswith(UNKNOWN_REQUEST):
+                raise DrafterContextLost(f"drafter: {exc.details()}") from None
             raise ValueError(f"drafter refused the call: {exc.details()}") from None

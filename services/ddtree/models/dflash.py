@@ -32,6 +32,10 @@ from ddtree.models.rope import rope_inv_freq
 
 log = logging.getLogger(__name__)
 
+# Start of the error for a request the cache does not know (released, or the drafter restarted):
+# clients match it to tell "context lost" from other bad input.
+UNKNOWN_REQUEST = "unknown request id"
+
 
 # ---- building blocks ---------------------------------------------------------------------------
 class RMSNorm(nn.Module):
@@ -191,7 +195,7 @@ class DrafterContextCache:
     def crop(self, request_id: str, length: int) -> None:
         """Keeps the first `length` context tokens of a known request."""
         if request_id not in self._length:
-            raise ValueError(f"unknown request id {request_id!r}")
+            raise ValueError(f"{UNKNOWN_REQUEST} {request_id!r}")
         if not 0 <= length <= self._length[request_id]:
             raise ValueError(f"cannot crop {request_id!r} to {length}: it has {self._length[request_id]} tokens")
         pages = self._pages[request_id]
@@ -404,7 +408,7 @@ class DFlashDrafter(nn.Module):
             if start < 0:
                 raise ValueError(f"request {rid!r}: {n} feature rows cannot end before position {pos}")
             if rid not in cache and start != 0:
-                raise ValueError(f"unknown request id {rid!r}: its first draft must carry the context from "
+                raise ValueError(f"{UNKNOWN_REQUEST} {rid!r}: its first draft must carry the context from "
                                  f"position 0 (features for positions {start}..{pos - 1} given; released?)")
             if pos < have:
                 raise ValueError(f"request {rid!r}: position {pos} goes backwards (context already has {have} tokens)")
