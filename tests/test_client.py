@@ -44,6 +44,7 @@ class ScriptedGeneration(generation_pb2_grpc.GenerationServicer):
     def __init__(self, delay_s: float = 0.003):
         self.delay_s = delay_s
         self.requests: list[generation_pb2.GenerateRequest] = []
+        self.traceparents: list[str | None] = []
         self.arrivals: list[float] = []
         self.in_flight = self.max_in_flight = 0
         self._lock = threading.Lock()
@@ -53,6 +54,7 @@ class ScriptedGeneration(generation_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt 'fail' is rejected")
         with self._lock:
             self.requests.append(request)
+            self.traceparents.append(dict(context.invocation_metadata()).get("traceparent"))
             self.arrivals.append(time.perf_counter())
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -256,3 +258,20 @@ def test_client_modules_import_no_torch():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_client_spans_only_when_the_environment_asks(scripted, tmp_path, monkeypatch, capsys):
+    from ddtree.telemetry.trace_report import load_otlp_file
+
+    for key in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "DDTREE_TRACE_FILE"):
+        monkeypatch.delenv(key, raising=False)
+    assert cli.main(["generate", "x", "--target", scripted.target, "--max-tokens", "2"]) == 0
+    assert scripted.traceparents[-1] is None
+    path = tmp_path / "client.jsonl"
+    monkeypatch.setenv("DDTREE_TRACE_FILE", str(path))
+    assert cli.main(["generate", "x", "--target", scripted.target, "--max-tokens", "2"]) == 0
+    capsys.readouterr()
+    (span,) = load_otlp_file(str(path))
+    assert (span.service, span.name, span.kind) == ("ddtree-client", "ddtree.v1.Generation/Generate", "client")
+    _, trace_id, span_id, _ = scripted.traceparents[-1].split("-")       # the server continues it
+    assert (trace_id, span_id) == (span.trace_id, span.span_id)

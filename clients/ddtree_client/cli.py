@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ddtree import __version__
 from ddtree_client.channel import DEFAULT_TARGET, open_channel
 from ddtree_client.generate import MODES, GenerateOptions
+from ddtree_client.tracing import traced_channel
 
 
 def _add_target(p: argparse.ArgumentParser, timeout_s: float = 5.0) -> None:
@@ -88,7 +89,7 @@ def run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    with open_channel(args.target, tls_ca=args.tls_ca) as channel:
+    with open_channel(args.target, tls_ca=args.tls_ca) as raw, traced_channel(raw) as channel:
         record = stream_generate(generation_pb2_grpc.GenerationStub(channel), request, timeout_s=args.timeout,
                                  on_text=None if args.json else echo)
     summary = record_summary(record)

@@ -29,6 +29,7 @@ from ddtree.v1 import generation_pb2_grpc
 from ddtree_client.channel import DEFAULT_TARGET, open_channel
 from ddtree_client.generate import GenerateOptions, RequestRecord, build_request, stream_generate
 from ddtree_client.prompts import BUILTIN_PROMPTS, Prompt
+from ddtree_client.tracing import traced_channel
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "tpot", "itl", "inter_chunk", "e2e")
@@ -173,10 +174,10 @@ def run_sweep(config: LoadTestConfig, *, progress: bool = True) -> list[LevelRes
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     results = []
-    with open_channel(config.target, tls_ca=config.tls_ca) as channel:
+    with open_channel(config.target, tls_ca=config.tls_ca) as raw, traced_channel(raw, "ddtree-loadtest") as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
-            grpc.channel_ready_future(channel).result(timeout=min(config.timeout_s, 30.0))
+            grpc.channel_ready_future(raw).result(timeout=min(config.timeout_s, 30.0))
         except grpc.FutureTimeoutError:
             raise ConnectionError(f"cannot connect to {config.target}") from None
         for i in range(config.warmup):
