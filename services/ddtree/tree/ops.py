@@ -95,11 +95,11 @@ def build_trees(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int |
         return _build_reference(top_logprobs, top_ids, budgets)
     lp = top_logprobs.contiguous()
     ids = top_ids.to(torch.int32).contiguous()
-    template = _empty_trees(batch, n, depth, "meta")
     if out is None:
         out = _empty_trees(batch, n, depth, lp.device)
     else:
-        _check_out("out", out, template, ("tokens", "depths", "parents", "num_nodes", "mask", "status"), lp.device)
+        _check_out("out", out, _empty_trees(batch, n, depth, "meta"),
+                   ("tokens", "depths", "parents", "num_nodes", "mask", "status"), lp.device)
         out = Trees(**{**out.__dict__, "draft_len": depth})
     budget_tensor = None
     if any(b != n for b in budgets):
@@ -132,11 +132,11 @@ def accept(trees: Trees, posterior: torch.Tensor, backend: str = "auto", *, chec
     batch, n, width = trees.batch, trees.budget, trees.draft_len + 1
     device = trees.tokens.device
     post = posterior.to(torch.int32).contiguous()
-    template = _empty_accepted(batch, width, "meta")
     if out is None:
         out = _empty_accepted(batch, width, device)
     else:
-        _check_out("out", out, template, ("path", "length", "bonus", "keep", "status"), device)
+        _check_out("out", out, _empty_accepted(batch, width, "meta"), ("path", "length", "bonus", "keep", "status"),
+                   device)
     args = (trees.tokens.contiguous().data_ptr(), trees.parents.contiguous().data_ptr(),
             trees.num_nodes.contiguous().data_ptr(), post.data_ptr(), batch, n, trees.draft_len,
             out.path.data_ptr(), out.length.data_ptr(), out.bonus.data_ptr(), out.keep.data_ptr(),
