@@ -186,6 +186,18 @@ def test_plain_tensors_are_cast(tmp_path):
             assert got[k].dtype == dtype and torch.equal(got[k], v.to(dtype))
 
 
+def test_yielded_tensors_own_their_memory(tmp_path):
+    """No tensor aliases the mapped file: rewriting the file afterwards changes nothing."""
+    w = torch.randn(64, 64, dtype=torch.bfloat16)
+    write_checkpoint(tmp_path, {"model.safetensors": {"w": w}})
+    got = load_all(tmp_path, dtype=torch.bfloat16)["w"]
+    size = (tmp_path / "model.safetensors").stat().st_size
+    with open(tmp_path / "model.safetensors", "r+b") as f:
+        f.seek(size - w.numel() * 2)
+        f.write(bytes(w.numel() * 2))
+    assert torch.equal(got, w)
+
+
 # -- layout: shards, prefixes, subsets ------------------------------------------------------------
 
 
@@ -401,6 +413,7 @@ def _error(path, **kw) -> str:
 
 def test_error_no_weights(tmp_path):
     assert f"no {ckpt.INDEX_FILE} or *.safetensors file at {tmp_path}" in _error(tmp_path)
+    assert f"checkpoint path {tmp_path / 'nope'} does not exist" in _error(tmp_path / "nope")
 
 
 def test_error_index_names_missing_shard(tmp_path):

@@ -170,6 +170,8 @@ class CheckpointIndex:
         config: Mapping | None = None,
     ):
         path = Path(path)
+        if not path.exists():
+            raise CheckpointError(f"checkpoint path {path} does not exist")
         self.root = path if path.is_dir() else path.parent
         if config is None and (self.root / "config.json").is_file():
             config = _read_json(self.root / "config.json", "config")
@@ -398,7 +400,9 @@ class CheckpointIndex:
 
     def _materialize(self, entry: _Entry, raw: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if entry.kind == "plain":
-            return raw["data"].to(device=device, dtype=dtype)
+            # Always a copy: a tensor backed by the mapped file would keep the whole shard's
+            # mapping (and its resident pages) alive for as long as the caller keeps the tensor.
+            return raw["data"].to(device=device, dtype=dtype, copy=True)
         try:
             if entry.kind == "fp8":
                 return quant.dequantize_fp8_block(raw["data"].to(device), raw["scale_inv"].to(device), dtype, self.quant.fp8_block)
