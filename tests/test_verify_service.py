@@ -200,9 +200,12 @@ def test_backpressure_cancel_and_deadline(verify):
         running = stub.Generate(req, timeout=120)
         next(running)                         # admitted: the only running slot
         queued = stub.Generate(req, timeout=120)  # waits in the queue (limit 1)
-        time.sleep(0.5)  # let the second request reach the queue
-        with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(req, timeout=30))
+        deadline = time.monotonic() + 20
+        while True:  # once `queued` sits in the queue, the next request is refused at once
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(req, timeout=1.0))
+            if err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                break
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queued" in err.value.details()
         running.cancel()
         queued.cancel()
