@@ -89,6 +89,27 @@ def measure(call, make_request, iters, warmup, expect=None) -> dict:
                 server_ms=percentiles(server)[0], gpu_ms=percentiles(gpu)[0])
 
 
+def consumer_costs(link: PeerLink, say) -> None:
+    """Hot-loop cost, in this process, of consuming one ref of the server's probe region:
+    resolve (validation + stream wait on the slot's event + view) and a full read + sync."""
+    probe_ref = tensor_pb2.TensorRef(region="transport/probe", slot=1, dtype=tensor_pb2.DTYPE_FLOAT32,
+                                     shape=[16, TOPK])
+    tensor = link.resolve(probe_ref)
+
+    def per_call_us(fn, n=2000):
+        for _ in range(50):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    resolve_us = per_call_us(lambda: link.resolve(probe_ref))
+    read_us = per_call_us(lambda: checksum(tensor))
+    say(f"   consumer side, hot loop ({link.transport.config.kind}, [16, {TOPK}] fp32 ref): resolve {resolve_us:.1f} us, "
+        f"read + sync (checksum) {read_us:.1f} us")
+
+
 def start_server(device: str, kind: str):
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False")
     proc = subprocess.Popen([sys.executable, "-m", "ddtree.transport.probe_server", "--kind", kind,
@@ -195,6 +216,8 @@ def main() -> int:
                         f"{r['p99_ms']:9.3f} {ratio:7.2f} {r['empty_p50_ms']:7.3f} {size:10d} {r['prep_ms']:8.3f} {r['server_ms']:8.3f} "
                         f"{r['gpu_ms']:7.3f}")
             stream.close()
+            if kind in ("cuda_ipc", "shm") and lk.kind != INLINE:
+                consumer_costs(lk, say)
             lk.detach()
             t.close()
 
@@ -225,7 +248,8 @@ def main() -> int:
             say(f"cuda_ipc hand-off within 1.2x of the empty RPC at every B: "
                 f"{'PASS' if worst[1] <= 1.2 else 'FAIL'} (worst {worst[1]:.2f}x: {worst[0]})")
         u, s = results["empty", "unary"]["p50_ms"], results["empty", "stream"]["p50_ms"]
-        say(f"RPC style: unary p50 {u:.3f} ms vs bidi stream p50 {s:.3f} ms -> stream/unary {s / u:.2f}")
+        say(f"RPC style: unary p50 {u:.3f} ms vs bidi stream p50 {s:.3f} ms -> stream/unary {s / u:.2f}: "
+            f"{'bidi stream' if s < u else 'unary'} for the per-step RPCs")
     finally:
         channel.close()
         server.send_signal(signal.SIGTERM)

@@ -3,7 +3,6 @@ attachment bookkeeping (reference counts, deferred release, dead-peer reaping) a
 start-up self-test that picks the region kind."""
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
 import os
@@ -58,15 +57,31 @@ class _Peer:
     detached: bool = False
 
 
+def _resolve(peer: _Peer, ref: tensor_pb2.TensorRef) -> torch.Tensor:
+    region = peer.regions.get(ref.region)
+    if region is None:
+        raise BadTensorRef(f"unknown region {ref.region!r} of peer {peer.peer_id!r}")
+    return region.resolve(ref)
+
+
 class PeerScope:
-    """A peer's regions held for one RPC: a Detach meanwhile is deferred until the scope ends."""
+    """A peer's regions held for one RPC (`with transport.hold(peer_id) as scope`): a Detach
+    meanwhile is deferred until the scope ends. A plain class, not a generator: it is on the
+    per-step path."""
+
+    __slots__ = ("_transport", "peer", "peer_id")
 
     def __init__(self, transport: "Transport", peer: _Peer):
-        self._transport, self.peer = transport, peer
-        self.peer_id = peer.peer_id
+        self._transport, self.peer, self.peer_id = transport, peer, peer.peer_id
+
+    def __enter__(self) -> "PeerScope":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._transport._unhold(self.peer)
 
     def resolve(self, ref: tensor_pb2.TensorRef) -> torch.Tensor:
-        return self._transport._resolve_in(self.peer, ref)
+        return _resolve(self.peer, ref)
 
     def for_peer(self, ref: tensor_pb2.TensorRef) -> tensor_pb2.TensorRef:
         return self._transport.for_peer(self.peer_id, ref)
@@ -244,30 +259,24 @@ class Transport:
             raise UnknownPeer(f"peer {peer_id!r} is not attached (Attach first)")
         return peer
 
-    @contextlib.contextmanager
-    def hold(self, peer_id: str) -> Iterator[PeerScope]:
-        """Holds a peer's regions for one RPC (ref counts +1; a Detach meanwhile is deferred)."""
+    def hold(self, peer_id: str) -> "PeerScope":
+        """Holds a peer's regions for one RPC (ref counts +1; a Detach meanwhile is deferred);
+        use as `with transport.hold(peer_id) as scope: scope.resolve(ref)`."""
         with self._lock:
             peer = self._peer(peer_id)
             peer.holds += 1
-        try:
-            yield PeerScope(self, peer)
-        finally:
-            with self._lock:
-                peer.holds -= 1
-                if peer.detached and peer.holds == 0:
-                    self._drop(peer)
+        return PeerScope(self, peer)
+
+    def _unhold(self, peer: _Peer) -> None:
+        with self._lock:
+            peer.holds -= 1
+            if peer.detached and peer.holds == 0:
+                self._drop(peer)
 
     def resolve(self, peer_id: str, ref: tensor_pb2.TensorRef) -> torch.Tensor:
         """The tensor a peer's TensorRef names (validated; cuda_ipc: ordered after the producer's
         writes on the current stream). Raises BadTensorRef / UnknownPeer (-> INVALID_ARGUMENT...)."""
-        return self._resolve_in(self._peer(peer_id), ref)
-
-    def _resolve_in(self, peer: _Peer, ref: tensor_pb2.TensorRef) -> torch.Tensor:
-        region = peer.regions.get(ref.region)
-        if region is None:
-            raise BadTensorRef(f"unknown region {ref.region!r} of peer {peer.peer_id!r}")
-        return region.resolve(ref)
+        return _resolve(self._peer(peer_id), ref)
 
     def for_peer(self, peer_id: str, ref: tensor_pb2.TensorRef) -> tensor_pb2.TensorRef:
         """A ref into one of our regions, made fit for `peer_id`: unchanged for zero-copy peers,

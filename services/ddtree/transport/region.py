@@ -36,28 +36,29 @@ def align(n: int, to: int = SLOT_ALIGN) -> int:
 
 def check_ref(ref: tensor_pb2.TensorRef, where: str, slot_count: int, slot_bytes: int):
     """Validates slot/offset/dtype/shape against a region; returns (dtype, shape, start, nbytes)."""
-    if ref.slot >= slot_count:
-        raise BadTensorRef(f"{where}: slot {ref.slot} out of range [0, {slot_count})")
-    if ref.dtype not in dtypes.TORCH_OF:
+    slot, offset, shape = ref.slot, ref.offset, tuple(ref.shape)
+    dtype = dtypes.TORCH_OF.get(ref.dtype)
+    if slot >= slot_count:
+        raise BadTensorRef(f"{where}: slot {slot} out of range [0, {slot_count})")
+    if dtype is None:
         raise BadTensorRef(f"{where}: unsupported dtype {ref.dtype}")
-    dtype = dtypes.TORCH_OF[ref.dtype]
+    if len(shape) > MAX_DIMS:
+        raise BadTensorRef(f"{where}: {len(shape)} dims, at most {MAX_DIMS} allowed")
+    if shape and (min(shape) < 0 or max(shape) > slot_bytes):
+        bad = min(shape) if min(shape) < 0 else max(shape)
+        kind = "negative" if bad < 0 else "absurd"
+        raise BadTensorRef(f"{where}: {kind} dim {bad} in shape {list(shape)}"
+                           + ("" if bad < 0 else f" (slot holds {slot_bytes} bytes)"))
+    if offset >= slot_bytes:
+        raise BadTensorRef(f"{where}: offset {offset} out of range [0, {slot_bytes})")
     itemsize = dtype.itemsize
-    if len(ref.shape) > MAX_DIMS:
-        raise BadTensorRef(f"{where}: {len(ref.shape)} dims, at most {MAX_DIMS} allowed")
-    for d in ref.shape:
-        if d < 0:
-            raise BadTensorRef(f"{where}: negative dim {d} in shape {list(ref.shape)}")
-        if d > slot_bytes:
-            raise BadTensorRef(f"{where}: absurd dim {d} in shape {list(ref.shape)} (slot holds {slot_bytes} bytes)")
-    if ref.offset >= slot_bytes:
-        raise BadTensorRef(f"{where}: offset {ref.offset} out of range [0, {slot_bytes})")
-    if ref.offset % itemsize:
-        raise BadTensorRef(f"{where}: offset {ref.offset} not aligned to {dtype} ({itemsize} bytes)")
-    nbytes = math.prod(ref.shape) * itemsize
-    if ref.offset + nbytes > slot_bytes:
-        raise BadTensorRef(f"{where}: {list(ref.shape)} {dtype} is {nbytes} bytes, does not fit at offset "
-                           f"{ref.offset} of a {slot_bytes}-byte slot")
-    return dtype, tuple(ref.shape), ref.slot * slot_bytes + ref.offset, nbytes
+    if offset % itemsize:
+        raise BadTensorRef(f"{where}: offset {offset} not aligned to {dtype} ({itemsize} bytes)")
+    nbytes = math.prod(shape) * itemsize
+    if offset + nbytes > slot_bytes:
+        raise BadTensorRef(f"{where}: {list(shape)} {dtype} is {nbytes} bytes, does not fit at offset "
+                           f"{offset} of a {slot_bytes}-byte slot")
+    return dtype, shape, slot * slot_bytes + offset, nbytes
 
 
 class _TypedViews:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 from typing import Iterator
 
 import grpc
 import torch
 
-from ddtree.transport.endpoint import Transport
+from ddtree.transport.endpoint import PeerScope, Transport
 from ddtree.transport.errors import TransportError, UnknownPeer
 from ddtree.v1 import transport_pb2, transport_pb2_grpc
 
@@ -37,18 +38,32 @@ def transport_errors(context: grpc.ServicerContext) -> Iterator[None]:
         context.abort(exc.grpc_code, str(exc))
 
 
-@contextlib.contextmanager
-def serve_peer(transport: Transport, context: grpc.ServicerContext):
+class serve_peer:
     """For a step RPC handler: identifies the calling peer, holds its regions for the call and
-    maps transport errors to status codes.
+    maps transport errors to status codes (a class, not a generator: per-step path).
 
         with serve_peer(self.transport, context) as peer:
             x = peer.resolve(request.input)
             ...
             return Reply(out=peer.for_peer(region.ref(slot, y)))
     """
-    with transport_errors(context), transport.hold(peer_id_of(context)) as scope:
-        yield scope
+
+    __slots__ = ("_context", "_scope", "_transport")
+
+    def __init__(self, transport: Transport, context: grpc.ServicerContext):
+        self._transport, self._context, self._scope = transport, context, None
+
+    def __enter__(self) -> PeerScope:
+        try:
+            self._scope = self._transport.hold(peer_id_of(self._context))
+        except TransportError as exc:
+            self._context.abort(exc.grpc_code, str(exc))
+        return self._scope
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._scope.__exit__(exc_type, exc, tb)
+        if isinstance(exc, TransportError):
+            self._context.abort(exc.grpc_code, str(exc))
 
 
 def attach(transport: Transport, request: transport_pb2.AttachRequest,
@@ -101,17 +116,22 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
         reply.timing.server_ms = (time.perf_counter() - start) * 1e3
         return reply
 
-    @staticmethod
-    def _read(tensor: torch.Tensor, timing: transport_pb2.ServerTiming) -> int:
+    _events = threading.local()   # per handler thread: two reusable timing events
+
+    @classmethod
+    def _read(cls, tensor: torch.Tensor, timing: transport_pb2.ServerTiming) -> int:
         """checksum(tensor); on a GPU, the read's device time goes to timing.gpu_ms (CUDA events)."""
         if not tensor.is_cuda:
             return checksum(tensor)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
+        events = getattr(cls._events, "pair", None)
+        if events is None or events[0].device != tensor.device:
+            with torch.cuda.device(tensor.device):
+                events = cls._events.pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record()
         total = _byte_sum(tensor)
-        end.record()
+        events[1].record()
         value = int(total.item()) % (1 << 64)
-        timing.gpu_ms = begin.elapsed_time(end)
+        timing.gpu_ms = events[0].elapsed_time(events[1])
         return value
 
     def Probe(self, request, context):
