@@ -327,3 +327,23 @@ def test_a_failed_tree_build_verifies_the_roots_and_output_is_unchanged(engine, 
         assert 1 in [c.accepted_length for c in chunks[1:]] and eng.fatal is None
     finally:
         eng.stop()
+
+
+@pytest.mark.cuda
+def test_cuda_engine_speculation_equals_ar(models):
+    """On a GPU (float32, so argmax ties cannot differ between batch shapes): cuda tree kernels,
+    GPU sampling noise, spec == ar greedy and sampled."""
+    target, drafter = models
+    eng = build_local_engine(ModelSetup(target=str(target), drafter=str(drafter), device="cuda", dtype="float32"),
+                             CONFIG).start()
+    try:
+        ps = prompts(8, seed=4)
+        for kw in ({}, dict(temperature=0.8, top_p=0.9, seed=3)):
+            ar = [r[0] for r in run_concurrently(eng, [spec(eng, p, "ar", 16, **kw) for p in ps])]
+            for modes in (["ddtree"], ["chain"], ["ddtree", "chain", "ar"]):
+                got = [r[0] for r in run_concurrently(
+                    eng, [spec(eng, p, modes[i % len(modes)], 16, **kw) for i, p in enumerate(ps)])]
+                assert got == ar, (modes, kw)
+        assert eng.fatal is None
+    finally:
+        eng.stop()

@@ -134,3 +134,29 @@ def test_up_serves_degrades_restarts_and_stops(tmp_path, subprocess_env):
         if up.proc.poll() is None:
             up.proc.kill()
             up.proc.wait()
+
+
+@pytest.mark.cuda
+def test_up_on_a_gpu_with_cuda_ipc(tmp_path, subprocess_env):
+    """The three services on GPU 0, tensors by CUDA IPC; float32 target so spec == ar exactly."""
+    target, drafter = make_pair(tmp_path)
+    port = free_port()
+    up = Up(["--target", str(target), "--drafter", str(drafter), "--port", str(port), "--device", "cuda",
+             "--verify-arg=--dtype=float32", "--verify-arg=--max-budget=32", "--grace-s", "15"],
+            service_env(subprocess_env))
+    try:
+        up.wait_for(r"ready; public API on 127\.0\.0\.1:%d" % port, 300)
+        assert "cuda_ipc" in up.text()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            for prompt in ([3, 1, 4, 1, 5], [2, 7]):
+                ar = tokens_of(stream(stub, prompt, pb.MODE_AR, 64))
+                for mode in (pb.MODE_DDTREE, pb.MODE_CHAIN):
+                    chunks = list(stream(stub, prompt, mode, 64))
+                    assert tokens_of(chunks) == ar and not chunks[-1].degradation
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+            up.proc.wait()
