@@ -47,9 +47,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -68,16 +66,16 @@ class Rotary(nn.Module):
         if inv_freq is None:
             inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
         freqs = positions[..., None].float() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+        cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
+        # Shaped [..., tokens, 1, head_dim] for the heads axis; sin carries rotate-half's sign.
+        return (torch.cat((cos, cos), -1).unsqueeze(-2).to(dtype),
+                torch.cat((-sin, sin), -1).unsqueeze(-2).to(dtype))
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [..., tokens, heads, head_dim]; cos/sin [..., tokens, head_dim] (rotate-half layout)."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """x [..., tokens, heads, head_dim] with Rotary's tables: x*cos + rotate_half(x)*sin, where
+    rotate_half(x) = [-x2, x1] = roll(x, half) * [-1, 1] (the sign lives in signed_sin)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -98,7 +96,8 @@ class Attention(nn.Module):
         return apply_rope(k, cos, sin), self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
-        """x [B, S, hidden]; ctx_k/v [B, P, kv_heads, head_dim]; mask [B, 1, S, P + S] (True: attend)."""
+        """x [B, S, hidden]; ctx_k/v [B, P, kv_heads, head_dim]; mask [B, 1, group * S, P + S]
+        (True: attend; the [S, P + S] block mask repeated for the `group` query heads of a kv head)."""
         bsz, s = x.shape[:2]
         group = self.heads // self.kv_heads
         q = apply_rope(self.q_norm(self.q_proj(x).unflatten(-1, (self.heads, self.head_dim))), cos, sin)
@@ -108,7 +107,7 @@ class Attention(nn.Module):
         # GQA without repeating keys/values: the `group` query heads sharing a kv head become
         # group * S query rows of that head (head h uses kv head h // group, as transformers).
         q = q.view(bsz, s, self.kv_heads, group, self.head_dim).permute(0, 2, 3, 1, 4).reshape(bsz, self.kv_heads, group * s, self.head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, 1, group, 1), scale=self.head_dim**-0.5)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
         out = out.view(bsz, self.kv_heads, group, s, self.head_dim).permute(0, 3, 1, 2, 4)
         return self.o_proj(out.reshape(bsz, s, self.heads * self.head_dim))
 
@@ -442,7 +441,9 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             causal, sliding = c.causal_layers[i], c.layer_types[i] == "sliding_attention"
             if (causal, sliding) not in masks:
-                masks[(causal, sliding)] = _block_mask(q_pos, k_pos, valid, causal, c.sliding_window if sliding else None)
+                group = c.num_attention_heads // c.num_key_value_heads
+                masks[(causal, sliding)] = _block_mask(q_pos, k_pos, valid, causal,
+                                                       c.sliding_window if sliding else None).repeat(1, 1, group, 1)
             ctx_k, ctx_v = cache.layer_kv(i, table)
             x = layer(x, cos, sin, ctx_k.to(self.dtype), ctx_v.to(self.dtype), masks[(causal, sliding)])
         return self.norm(x)
