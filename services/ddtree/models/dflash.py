@@ -106,7 +106,8 @@ class Attention(nn.Module):
         v = torch.cat((ctx_v, v), dim=1).transpose(1, 2)
         # GQA without repeating keys/values: the `group` query heads sharing a kv head become
         # group * S query rows of that head (head h uses kv head h // group, as transformers).
-        q = q.view(bsz, s, self.kv_heads, group, self.head_dim).permute(0, 2, 3, 1, 4).reshape(bsz, self.kv_heads, group * s, self.head_dim)
+        q = q.view(bsz, s, self.kv_heads, group, self.head_dim).permute(0, 2, 3, 1, 4)
+        q = q.reshape(bsz, self.kv_heads, group * s, self.head_dim)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
         out = out.view(bsz, self.kv_heads, group, s, self.head_dim).permute(0, 3, 1, 2, 4)
         return self.o_proj(out.reshape(bsz, s, self.heads * self.head_dim))

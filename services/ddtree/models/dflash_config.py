@@ -118,7 +118,8 @@ class DFlashConfig:
             raise ValueError(f"hidden_act={raw['hidden_act']!r} is not supported (supported: 'silu')")
         for unsupported in ("selector_rank", "conv_kernel_size"):
             if draft_value(unsupported) is not None:
-                raise ValueError(f"{unsupported!r} is set: DFlash2 checkpoints (path selector, dynamic convolution) are not supported")
+                raise ValueError(f"{unsupported!r} is set: DFlash2 checkpoints (path selector, dynamic "
+                                 "convolution) are not supported")
         num_layers = int(req("num_hidden_layers"))
         heads = int(req("num_attention_heads"))
         hidden = int(req("hidden_size"))
