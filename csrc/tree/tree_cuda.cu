@@ -53,26 +53,6 @@ __device__ __noinline__ bool tie_pops_before(uint32_t ca, uint32_t cb, const int
 }
 
 
-// The two offers of a candidate, in the contract's float64 operation order (indices clamped so
-// the loads are unconditional; an offer that does not exist is ignored by the caller).
-template <typename Staged>
-__device__ __forceinline__ void offers_of(const Staged* s_lp, int D, int K, double score, uint32_t cand,
-                                          double& sibling, double& child) {
-  const int r = candidate_rank(cand), d = candidate_depth(cand);
-  const Staged* row = s_lp + (d - 1) * K;
-  sibling = score - static_cast<double>(row[r]);
-  sibling = sibling + static_cast<double>(row[r + 1 < K ? r + 1 : r]);
-  child = score + static_cast<double>(s_lp[d < D ? d * K : 0]);
-}
-
-// Pop order of two valid candidates whose values every lane holds (a warp-uniform branch).
-__device__ __forceinline__ bool uniform_pops_before(double sa, uint32_t ca, double sb, uint32_t cb,
-                                                    const int16_t* parent, const int16_t* rank) {
-  if (sa != sb) return sa > sb;
-  __syncwarp();  // the newest node is visible to the tie-break
-  return tie_pops_before(ca, cb, parent, rank);
-}
-
 template <int M, typename Staged>
 __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs out) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -140,16 +120,10 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
   int live = 1;
   const int up_lane = (lane + kWarp - 1) % kWarp, down_lane = (lane + 1) % kWarp;
 
-  // The head and the runner-up are also kept warp-uniform, with the head's two offers already
-  // computed: choosing the next head needs only them and position 2 of the array, so the next
-  // pop's offers are computed while the array shifts (two independent chains per pop).
-  double head_score = static_cast<double>(s_lp[0]), second_score = 0.0;
-  uint32_t head = pack_candidate(0, 0, 1), second = 0;
-  double sibling = 0.0, child = 0.0;
-  offers_of(s_lp, D, K, head_score, head, sibling, child);
-
   int n = 0;
   while (status == kOk && n < budget && live > 0) {
+    const double head_score = __shfl_sync(kFullMask, score[0], 0);
+    const uint32_t head = __shfl_sync(kFullMask, cand[0], 0);
     ++n;
     const int p = candidate_parent(head), r = candidate_rank(head), d = candidate_depth(head);
     if (lane == 0) {
@@ -157,39 +131,21 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
       s_rank[n] = static_cast<int16_t>(r);
       s_depth[n] = static_cast<int8_t>(d);
     }
+    // The two offers, in the contract's float64 operation order (indices clamped so the
+    // loads are unconditional; an offer that does not exist is dropped below).
     const bool has_sibling = r + 1 < K, has_child = d < D;
+    const Staged* row = s_lp + (d - 1) * K;
+    double sibling = head_score - static_cast<double>(row[r]);
+    sibling = sibling + static_cast<double>(row[has_sibling ? r + 1 : r]);
+    const double child = head_score + static_cast<double>(s_lp[has_child ? d * K : 0]);
     // On equal scores the child (path p + [r, 0]) sorts before the sibling (p + [r + 1]).
     const bool child_first = has_child && (!has_sibling || child >= sibling);
     const int offers = has_child + has_sibling;
     const double s1 = child_first ? child : sibling, s2 = child_first ? sibling : child;
     const uint32_t c1 = child_first ? pack_candidate(n, 0, d + 1) : pack_candidate(p, r + 1, d);
     const uint32_t c2 = child_first ? pack_candidate(p, r + 1, d) : pack_candidate(n, 0, d + 1);
-    const int next_live = min(min(live - 1 + offers, M * kWarp), budget - n);
 
-    // Uniform chain: the next head and runner-up among {second, third (array position 2), s1, s2}.
-    const double third_score = __shfl_sync(kFullMask, score[0], 2);
-    const uint32_t third = __shfl_sync(kFullMask, cand[0], 2);
-    const bool s1_wins = offers >= 1 &&
-        (live < 2 || uniform_pops_before(s1, c1, second_score, second, s_parent, s_rank));
-    double next_score, runner_score;
-    uint32_t next_head, runner;
-    if (s1_wins) {
-      next_score = s1;
-      next_head = c1;
-      const bool s2_next = offers >= 2 &&
-          (live < 2 || uniform_pops_before(s2, c2, second_score, second, s_parent, s_rank));
-      runner_score = s2_next ? s2 : second_score;
-      runner = s2_next ? c2 : second;
-    } else {
-      next_score = second_score;
-      next_head = second;
-      const bool s1_next = offers >= 1 &&
-          (live < 3 || uniform_pops_before(s1, c1, third_score, third, s_parent, s_rank));
-      runner_score = s1_next ? s1 : third_score;
-      runner = s1_next ? c1 : third;
-    }
-
-    // Array chain: positions of the offers among the frontier without its head.
+    // Positions of the offers among the frontier without its head: count what pops first.
     bool ahead1[M], ahead2[M];
     bool tie = false;
 #pragma unroll
@@ -221,6 +177,7 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
     }
     if (offers < 1) q1 = kNoPosition;
     if (offers < 2) q2 = kNoPosition;
+    const int next_live = min(min(live - 1 + offers, M * kWarp), budget - n);
 
     // Shift: new[j] = old[j+1] before q1, s1 at q1, old[j] up to q2, s2 at q2, old[j-1] after.
     // old[j-1] / old[j+1] come from the neighbour lane (row k-1 / k+1 across the warp edge).
@@ -265,11 +222,6 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
       }
     }
     live = next_live;
-    head_score = next_score;
-    head = next_head;
-    second_score = runner_score;
-    second = runner;
-    if (live > 0) offers_of(s_lp, D, K, head_score, head, sibling, child);
   }
   __syncwarp();
 
