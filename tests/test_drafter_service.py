@@ -89,7 +89,7 @@ def remote(service, **kw):
 def _raw(service):
     """A bare client: our feature region, attached; returns (stub, link, region)."""
     transport = service["transport"]
-    region = transport.create_region("raw/features", 2, 1 << 16)
+    region = transport.create_region(f"raw/features{len(transport.handles())}", 2, 1 << 16)
     stub = drafter_pb2_grpc.DrafterStub(service["channel"])
     link = PeerLink(transport, service["channel"], stub.Attach)
     link.attach()
@@ -148,6 +148,33 @@ def test_bad_requests_are_invalid_argument_and_the_service_keeps_serving(service
     stub.Release(drafter_pb2.ReleaseRequest(request_ids=["big"]), metadata=md)
     stub.Draft(drafter_pb2.DraftRequest(items=[_item(link, region, "big2", features(100, 3), 100)], top_k=K), metadata=md)
     assert service["proc"].poll() is None
+
+
+def test_two_engines_have_separate_contexts_for_the_same_request_id(service):
+    stub, link, region = _raw(service)  # engine A (re-attaches: its earlier contexts are dropped)
+    other = Transport(TransportConfig(peer_id=f"engine-b-{service['kind']}", kind=service["kind"],
+                                      device=service["device"], self_test=False))
+    try:
+        region_b = other.create_region("raw/features", 2, 1 << 16)
+        link_b = PeerLink(other, service["channel"], stub.Attach)
+        link_b.attach()
+        stub.Draft(drafter_pb2.DraftRequest(items=[_item(link, region, "same", features(6, 1), 6)], top_k=K),
+                   metadata=link.metadata)
+        # B's "same" is a different request: it starts at 0 although A's "same" holds 6 tokens.
+        reply = stub.Draft(drafter_pb2.DraftRequest(items=[_item(link_b, region_b, "same", features(2, 2), 2)], top_k=K),
+                           metadata=link_b.metadata)
+        got_b = link_b.resolve(reply.top_logprobs).clone()
+        cache = DrafterContextCache(service["local"].config, num_pages=8, page_size=8, device=service["device"],
+                                    dtype=torch.float32)
+        want_b, _ = service["local"].draft_topk(cache, ["x"], [features(2, 2).to(service["device"])], [1], [2], K)
+        torch.testing.assert_close(got_b.to(service["device"]), want_b, rtol=1e-5, atol=1e-5)
+        # A continues at 7 (its context is intact); B releasing "same" does not touch A's.
+        assert stub.Release(drafter_pb2.ReleaseRequest(request_ids=["same"]), metadata=link_b.metadata).released == 1
+        stub.Draft(drafter_pb2.DraftRequest(items=[_item(link, region, "same", features(1, 3), 7)], top_k=K),
+                   metadata=link.metadata)
+        link_b.detach()
+    finally:
+        other.close()
 
 
 def test_remote_top_k_equals_in_process_drafter_and_service_stops_cleanly(service):
