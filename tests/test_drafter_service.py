@@ -51,11 +51,11 @@ def start_server(root, env, device, kind):
         [sys.executable, "-c", SERVER, "drafter", "--drafter", str(root / "drafter"), "--target", str(root / "target"),
          "--device", device, "--dtype", "float32", "--max-batch", "4", "--max-top-k", "16", "--slots", "3",
          "--cache-tokens", "256", "--page-size", "8"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        stdout=subprocess.PIPE, stderr=open(root / f"server-{kind}.log", "w"), env=env, text=True)  # a file never fills
     line = proc.stdout.readline()
     if not line.startswith("drafter listening on"):
         proc.kill()
-        raise AssertionError(f"server did not start: {line!r}\n{proc.stderr.read()[-4000:]}")
+        raise AssertionError(f"server did not start: {line!r}\n{(root / f'server-{kind}.log').read_text()[-4000:]}")
     return proc, int(line.rsplit(":", 1)[1])
 
 
