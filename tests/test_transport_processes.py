@@ -191,6 +191,11 @@ def test_every_bad_descriptor_gets_invalid_argument_and_the_server_keeps_serving
             timeout=10)
     _expect(grpc.StatusCode.PERMISSION_DENIED, "token", link.stub.Detach,
             transport_pb2.DetachRequest(peer_id=link.transport.peer_id, token="nope"), timeout=10)
+    bad_ref = tensor_pb2.TensorRef()
+    bad_ref.CopyFrom(good)
+    bad_ref.slot = 9
+    replies = link.stub.ProbeStream(iter([transport_pb2.ProbeRequest(input=bad_ref)]), metadata=link.metadata)
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "slot 9 out of range", next, replies)
     reply = link.probe(good)                                  # still serving, still attached
     assert reply.checksum == checksum(torch.arange(16, dtype=torch.float32))
     assert "Traceback" not in server[2].read_text()

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.transport.errors import BadTensorRef
 from ddtree.v1 import tensor_pb2
 
 TORCH_OF = {
@@ -17,13 +16,6 @@ TORCH_OF = {
     tensor_pb2.DTYPE_BOOL: torch.bool,
 }
 WIRE_OF = {v: k for k, v in TORCH_OF.items()}
-
-
-def to_torch(wire: int) -> torch.dtype:
-    try:
-        return TORCH_OF[wire]
-    except KeyError:
-        raise BadTensorRef(f"unsupported dtype {wire}") from None
 
 
 def to_wire(dtype: torch.dtype) -> int:

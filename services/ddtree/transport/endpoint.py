@@ -8,7 +8,6 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 from opentelemetry import trace
@@ -17,7 +16,7 @@ from ddtree.transport import selftest
 from ddtree.transport.errors import AttachDenied, BadRegionHandle, BadTensorRef, TransportUnavailable, UnknownPeer
 from ddtree.transport.host import host_id, pid_alive
 from ddtree.transport.memory import SHM_DIR, SHM_PREFIX, shm_owner_pid, unlink_segment
-from ddtree.transport.region import (CUDA_IPC, INLINE, KIND_OF_NAME, SHM, ImportedRegion, Region, kind_name)
+from ddtree.transport.region import INLINE, KIND_OF_NAME, SHM, ImportedRegion, Region, kind_name
 from ddtree.v1 import tensor_pb2, transport_pb2
 
 log = logging.getLogger(__name__)

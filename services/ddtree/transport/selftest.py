@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from ddtree.transport.region import CUDA_IPC, INLINE, SHM, Region, decode_inline, kind_name
+from ddtree.transport.region import CUDA_IPC, INLINE, Region, decode_inline, kind_name
 
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_selftest_child.py")
 SLOT_BYTES = 4096
