@@ -172,7 +172,13 @@ def test_two_engines_have_separate_contexts_for_the_same_request_id(service):
         assert stub.Release(drafter_pb2.ReleaseRequest(request_ids=["same"]), metadata=link_b.metadata).released == 1
         stub.Draft(drafter_pb2.DraftRequest(items=[_item(link, region, "same", features(1, 3), 7)], top_k=K),
                    metadata=link.metadata)
+        # B fills most of the cache (160 of 256 tokens), then detaches: its contexts are freed at
+        # the next Draft, so A's 160 tokens fit (they would not if B's pages were still held).
+        stub.Draft(drafter_pb2.DraftRequest(items=[_item(link_b, region_b, "fill", features(160, 4), 160)], top_k=K),
+                   metadata=link_b.metadata)
         link_b.detach()
+        stub.Draft(drafter_pb2.DraftRequest(items=[_item(link, region, "after", features(160, 5), 160)], top_k=K),
+                   metadata=link.metadata)
     finally:
         other.close()
 
