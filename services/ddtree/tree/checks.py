@@ -117,6 +117,8 @@ def check_posterior(trees, posterior) -> None:
 def raise_on_status(status: torch.Tensor) -> None:
     """Raises a ValueError for the first request whose status is not OK (reads the tensor)."""
     codes = status.cpu()
+    if not codes.any():
+        return
     bad = torch.nonzero(codes).flatten()
     if bad.numel():
         b = int(bad[0])
