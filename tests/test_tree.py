@@ -192,3 +192,22 @@ def test_bad_accept_input_is_a_value_error(backend):
         accept(trees, torch.zeros(2, 9, dtype=torch.int32), "cuda")
     with pytest.raises(ValueError, match="unknown tree backend"):
         accept(trees, torch.zeros(2, 9, dtype=torch.int32), "gpu")
+
+
+def test_outputs_written_in_place_and_bad_out_rejected():
+    from ddtree.tree.ops import _empty_accepted, _empty_trees
+
+    lp, ids = random_topk(3, 4, 4, generator=torch.Generator().manual_seed(2))
+    out = _empty_trees(3, 20, 4, "cpu")
+    got = build_trees(lp, ids, 20, "cpu", out=out)
+    assert got.tokens.data_ptr() == out.tokens.data_ptr() and got.mask.data_ptr() == out.mask.data_ptr()
+    assert_trees_equal(got, build_trees(lp, ids, 20, "reference"))
+    post = torch.randint(0, 50021, (3, 21))
+    acc_out = _empty_accepted(3, 5, "cpu")
+    acc = accept(got, post, "cpu", out=acc_out)
+    assert acc.path.data_ptr() == acc_out.path.data_ptr()
+    assert torch.equal(acc.path, accept(got, post, "reference").path)
+    with pytest.raises(ValueError, match=r"out.mask must be \(3, 21, 1\) torch.uint64"):
+        build_trees(lp, ids, 20, "cpu", out=Trees(**{**out.__dict__, "mask": torch.empty(3, 21, 1, dtype=torch.int64)}))
+    with pytest.raises(ValueError, match=r"out.path must be \(3, 5\)"):
+        accept(got, post, "cpu", out=_empty_accepted(3, 4, "cpu"))
