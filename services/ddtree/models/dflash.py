@@ -245,10 +245,13 @@ class DrafterContextCache:
             self.k.flatten(1, 2).index_copy_(1, index, k.to(self.k.dtype))
             self.v.flatten(1, 2).index_copy_(1, index, v.to(self.v.dtype))
 
-    def page_table(self, request_ids: Sequence[str]) -> Tensor:
-        """[B, max pages] page ids (padding repeats page 0; the lengths mask it out)."""
-        width = max([len(self._pages.get(r, ())) for r in request_ids] + [0])
-        rows = [self._pages.get(r, []) + [0] * (width - len(self._pages.get(r, []))) for r in request_ids]
+    def page_table(self, request_ids: Sequence[str], first_pages: Sequence[int] | None = None) -> Tensor:
+        """[B, max pages] page ids of each request from its `first_pages[b]`-th page on (default 0);
+        padding repeats page 0 (the lengths mask it out)."""
+        first = first_pages or [0] * len(request_ids)
+        tails = [self._pages.get(r, [])[f:] for r, f in zip(request_ids, first)]
+        width = max([len(t) for t in tails] + [0])
+        rows = [t + [0] * (width - len(t)) for t in tails]
         return to_device(torch.tensor(rows, dtype=torch.long).reshape(len(request_ids), width), self.k.device)
 
     def layer_kv(self, layer: int, page_table: Tensor) -> tuple[Tensor, Tensor]:
@@ -426,27 +429,31 @@ class DFlashDrafter(nn.Module):
         """Final hidden states [B, block_size, hidden] of each request's block, attending to its cached context."""
         c = self.config
         bsz, block = len(request_ids), c.block_size
-        lengths = to_device(torch.tensor([cache.length(r) for r in request_ids]), self.device)
+        host_lengths = [cache.length(r) for r in request_ids]
+        lengths = to_device(torch.tensor(host_lengths), self.device)
         tokens = torch.full((bsz, block), c.mask_token_id, dtype=torch.long)
         tokens[:, 0] = bonus_tokens
-        tokens = to_device(tokens, self.device)
-        x = self.embed(tokens)
+        x = self.embed(to_device(tokens, self.device))
         q_pos = lengths[:, None] + torch.arange(block, device=self.device)      # [B, S]
         cos, sin = self.rotary(q_pos, self.dtype)
-        table = cache.page_table(request_ids)
-        padded = table.shape[1] * cache.page_size
-        ctx_idx = torch.arange(padded, device=self.device).expand(bsz, padded)
-        k_pos = torch.cat((ctx_idx, q_pos), dim=1)                               # [B, P + S]
-        valid = torch.cat((ctx_idx < lengths[:, None], torch.ones_like(q_pos, dtype=torch.bool)), dim=1)
-        masks: dict[tuple[bool, bool], Tensor] = {}
+        group = c.num_attention_heads // c.num_key_value_heads
+        views: dict[tuple[bool, bool], tuple[Tensor, Tensor]] = {}  # (causal, sliding) -> (page table, mask)
         for i, layer in enumerate(self.layers):
             causal, sliding = c.causal_layers[i], c.layer_types[i] == "sliding_attention"
-            if (causal, sliding) not in masks:
-                group = c.num_attention_heads // c.num_key_value_heads
-                masks[(causal, sliding)] = _block_mask(q_pos, k_pos, valid, causal,
-                                                       c.sliding_window if sliding else None).repeat(1, 1, group, 1)
+            if (causal, sliding) not in views:
+                window = c.sliding_window if sliding else None
+                # Sliding layers skip whole pages no query of the block can see (keys > L - window).
+                skip = [max(0, n - window + 1) // cache.page_size for n in host_lengths] if window else None
+                table = cache.page_table(request_ids, skip)
+                ctx_pos = torch.arange(table.shape[1] * cache.page_size, device=self.device).expand(bsz, -1)
+                if skip is not None:
+                    ctx_pos = ctx_pos + to_device(torch.tensor(skip) * cache.page_size, self.device)[:, None]
+                k_pos = torch.cat((ctx_pos, q_pos), dim=1)                       # [B, P + S]
+                valid = torch.cat((ctx_pos < lengths[:, None], torch.ones_like(q_pos, dtype=torch.bool)), dim=1)
+                views[(causal, sliding)] = (table, _block_mask(q_pos, k_pos, valid, causal, window).repeat(1, 1, group, 1))
+            table, mask = views[(causal, sliding)]
             ctx_k, ctx_v = cache.layer_kv(i, table)
-            x = layer(x, cos, sin, ctx_k.to(self.dtype), ctx_v.to(self.dtype), masks[(causal, sliding)])
+            x = layer(x, cos, sin, ctx_k.to(self.dtype), ctx_v.to(self.dtype), mask)
         return self.norm(x)
 
     def _prepare(self, cache: DrafterContextCache, request_ids: Sequence[str], new_features: Sequence[Tensor],
