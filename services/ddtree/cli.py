@@ -15,9 +15,15 @@ from ddtree import __version__
 # Kept as names and imported lazily inside the commands, so `ddtree --help` imports no torch.
 COMMANDS: list[tuple[str, str]] = [
     ("ddtree.cli", "add_info_command"),
+    ("ddtree.up", "add_up_parser"),
+    ("ddtree.telemetry.trace_report", "add_trace_report_parser"),
 ]
 # `ddtree serve NAME`: one entry per service, each adding its own parser to the serve group.
-SERVE_COMMANDS: list[tuple[str, str]] = []
+SERVE_COMMANDS: list[tuple[str, str]] = [
+    ("ddtree.verify.main", "add_serve_parser"),
+    ("ddtree.drafter.main", "add_serve_parser"),
+    ("ddtree.treebuild.main", "add_serve_parser"),
+]
 
 
 def add_info_command(subparsers) -> None:
