@@ -191,36 +191,42 @@ def test_bad_input_is_invalid_argument(verify, fields, message):
     assert "Traceback" not in err.value.details()
 
 
+def _long(tag: str, prompt=(1, 2)) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(prompt)), client_request_id=tag,
+                              sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True),
+                              speculation=pb.SpeculationParams(mode=pb.MODE_AR))
+
+
+def _finished(verify, tag: str, reason: str = "cancelled", timeout: float = 20.0) -> bool:
+    """The engine logged the end of request `tag` (JSON log line with its client_request_id)."""
+    return verify.wait_log(f'finished: {reason}', timeout) and verify.wait_log(
+        f'"client_request_id": "{tag}", "finish_reason": "{reason}"', timeout)
+
+
 def test_backpressure_cancel_and_deadline(verify):
     with channel(verify.port) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
-        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), client_request_id="long-1",
-                                 sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True),
-                                 speculation=pb.SpeculationParams(mode=pb.MODE_AR))
-        running = stub.Generate(req, timeout=120)
-        next(running)                         # admitted: the only running slot
-        queued = stub.Generate(req, timeout=120)  # waits in the queue (limit 1)
+        running = stub.Generate(_long("running"), timeout=120)
+        next(running)                                      # admitted: the only running slot
+        queued = stub.Generate(_long("queued"), timeout=120)  # waits in the queue (limit 1)
         deadline = time.monotonic() + 20
+        attempt = 0
         while True:  # once `queued` sits in the queue, the next request is refused at once
+            attempt += 1
             with pytest.raises(grpc.RpcError) as err:
-                list(stub.Generate(req, timeout=1.0))
+                list(stub.Generate(_long(f"probe-{attempt}"), timeout=1.0))
             if err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
                 break
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queued" in err.value.details()
         running.cancel()
         queued.cancel()
-    assert verify.wait_log("finished: cancelled"), verify.log()[-3000:]
-    cancelled = verify.log().count("finished: cancelled")
+    assert _finished(verify, "running") and _finished(verify, "queued"), verify.log()[-3000:]
     with channel(verify.port) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3]), sampling=pb.SamplingParams(
-                max_tokens=200, ignore_eos=True), speculation=pb.SpeculationParams(mode=pb.MODE_AR)), timeout=0.3))
+            list(stub.Generate(_long("deadline", (3,)), timeout=0.3))
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    deadline = time.monotonic() + 10
-    while verify.log().count("finished: cancelled") <= cancelled and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert verify.log().count("finished: cancelled") > cancelled
+    assert _finished(verify, "deadline"), verify.log()[-3000:]
     # the service still serves normally afterwards
     assert len(generate(verify.port, [5, 6], pb.MODE_DDTREE, max_tokens=8, ignore_eos=True)[0]) == 8
 
