@@ -62,8 +62,9 @@ def test_tokenizer_json_is_loaded_and_streams_the_full_text(tmp_path):
 def test_tiktoken_model_needs_tiktoken_or_loads(tmp_path):
     import base64
 
+    ranks = [bytes([i]) for i in range(256)] + [b"hi"]  # one merge: "hi" -> 256; specials from 257
     (tmp_path / "tiktoken.model").write_bytes(
-        b"\n".join(base64.b64encode(bytes([i])) + b" %d" % i for i in range(256)) + b"\n")
+        b"\n".join(base64.b64encode(t) + b" %d" % i for i, t in enumerate(ranks)) + b"\n")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"added_tokens_decoder": {"257": {"content": "<|im_end|>"}}}))
     try:
@@ -74,7 +75,9 @@ def test_tiktoken_model_needs_tiktoken_or_loads(tmp_path):
         return
     tok = load_tokenizer(tmp_path, vocab_size=512)
     ids = tok.encode("hi 日本")
-    assert tok.kind == "tiktoken" and tok.decode(ids + [257]) == "hi 日本"
+    assert tok.kind == "tiktoken" and ids[0] == 256 and tok.decode(ids + [257]) == "hi 日本"
+    assert tok.encode("<|im_end|>") != [257]  # special names in text stay text
+    assert _stream(tok, ids + [257, 300], 1) == "hi 日本"
 
 
 def test_byte_tokenizer_is_the_default_with_special_names(tmp_path):
