@@ -116,22 +116,22 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
         reply.timing.server_ms = (time.perf_counter() - start) * 1e3
         return reply
 
-    _events = threading.local()   # per handler thread: two reusable timing events
+    _events = threading.local()   # per handler thread and device: two reusable timing events
 
     @classmethod
     def _read(cls, tensor: torch.Tensor, timing: transport_pb2.ServerTiming) -> int:
         """checksum(tensor); on a GPU, the read's device time goes to timing.gpu_ms (CUDA events)."""
         if not tensor.is_cuda:
             return checksum(tensor)
-        events = getattr(cls._events, "pair", None)
-        if events is None or events[0].device != tensor.device:
-            with torch.cuda.device(tensor.device):
-                events = cls._events.pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        events[0].record()
+        pairs = cls._events.__dict__.setdefault("pairs", {})
+        begin, end = pairs.get(tensor.device) or pairs.setdefault(tensor.device, (
+            torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        stream = torch.cuda.current_stream(tensor.device)
+        begin.record(stream)
         total = _byte_sum(tensor)
-        events[1].record()
+        end.record(stream)
         value = int(total.item()) % (1 << 64)
-        timing.gpu_ms = events[0].elapsed_time(events[1])
+        timing.gpu_ms = begin.elapsed_time(end)
         return value
 
     def Probe(self, request, context):
