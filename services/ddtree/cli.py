@@ -23,6 +23,7 @@ SERVE_COMMANDS: list[tuple[str, str]] = [
     ("ddtree.verify.main", "add_serve_parser"),
     ("ddtree.drafter.main", "add_serve_parser"),
     ("ddtree.treebuild.main", "add_serve_parser"),
+    ("ddtree.transport.probe_server", "add_serve_parser"),
 ]
 
 

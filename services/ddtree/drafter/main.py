@@ -72,7 +72,7 @@ def build_server(args: argparse.Namespace, tracer_provider=None):
     server = GrpcServer(ServerConfig(name="drafter", host=args.host, port=args.port, max_workers=args.max_workers),
                         tracer_provider=tracer_provider)
     server.add(drafter_pb2_grpc.add_DrafterServicer_to_server, servicer, "ddtree.v1.Drafter")
-    add_transport_service(server, transport, with_attach=False)
+    add_transport_service(server, transport)
     return server, servicer, transport
 
 

@@ -13,7 +13,7 @@ from ddtree.transport.endpoint import Transport
 from ddtree.transport.errors import TransportError
 from ddtree.transport.host import host_id
 from ddtree.transport.region import INLINE, kind_name
-from ddtree.transport.service import PEER_METADATA_KEY, TRANSPORT_ATTACH_METHOD, checksum
+from ddtree.transport.service import PEER_METADATA_KEY, checksum
 from ddtree.v1 import tensor_pb2, transport_pb2, transport_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ AttachFn = Callable[..., transport_pb2.AttachReply]
 
 class PeerLink:
     """Our transport attached to one server. Pass `attach` = the service stub's Attach
-    (e.g. DrafterStub(channel).Attach); by default /ddtree.v1.Transport/Attach is used.
+    (e.g. DrafterStub(channel).Attach); by default Transport.Attach is used.
 
         link = PeerLink(transport, channel, DrafterStub(channel).Attach); link.attach()
         reply = stub.Draft(request, metadata=link.metadata)
@@ -33,10 +33,8 @@ class PeerLink:
     def __init__(self, transport: Transport, channel: grpc.Channel, attach: AttachFn | None = None):
         self.transport = transport
         self.channel = channel
-        self._attach = attach or channel.unary_unary(
-            TRANSPORT_ATTACH_METHOD, request_serializer=transport_pb2.AttachRequest.SerializeToString,
-            response_deserializer=transport_pb2.AttachReply.FromString)
         self.stub = transport_pb2_grpc.TransportStub(channel)
+        self._attach = attach or self.stub.Attach
         self.metadata: tuple[tuple[str, str], ...] = ((PEER_METADATA_KEY, transport.peer_id),)
         self.server_id: str | None = None
         self.kind: int | None = None

@@ -16,9 +16,6 @@ from ddtree.transport.errors import TransportError, UnknownPeer
 from ddtree.v1 import transport_pb2, transport_pb2_grpc
 
 PEER_METADATA_KEY = "ddtree-peer-id"
-# Attach for processes that serve only the Transport service (probe server, benchmarks). Same
-# messages as Drafter.Attach / TreeBuilder.Attach; registered as a generic method.
-TRANSPORT_ATTACH_METHOD = "/ddtree.v1.Transport/Attach"
 
 
 def peer_id_of(context: grpc.ServicerContext) -> str:
@@ -147,15 +144,9 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
                     context.abort(exc.grpc_code, str(exc))
 
 
-def add_transport_service(server, transport: Transport, with_attach: bool = True) -> TransportServicer:
-    """Registers ddtree.v1.Transport on a GrpcServer (before start). `with_attach` also serves
-    /ddtree.v1.Transport/Attach, for processes without a Drafter/TreeBuilder Attach of their own."""
+def add_transport_service(server, transport: Transport) -> TransportServicer:
+    """Registers ddtree.v1.Transport (Attach, Status, Detach, Probe, ProbeStream) on a GrpcServer
+    (before start)."""
     servicer = TransportServicer(transport)
     server.add(transport_pb2_grpc.add_TransportServicer_to_server, servicer, "ddtree.v1.Transport")
-    if with_attach:
-        handler = grpc.method_handlers_generic_handler("ddtree.v1.Transport", {
-            "Attach": grpc.unary_unary_rpc_method_handler(
-                servicer.Attach, request_deserializer=transport_pb2.AttachRequest.FromString,
-                response_serializer=transport_pb2.AttachReply.SerializeToString)})
-        server.add_generic(handler, "ddtree.v1.Transport")
     return servicer

@@ -54,7 +54,7 @@ def build_server(args: argparse.Namespace, tracer_provider=None):
     server = GrpcServer(ServerConfig(name="treebuild", host=args.host, port=args.port, max_workers=args.max_workers),
                         tracer_provider=tracer_provider)
     server.add(treebuild_pb2_grpc.add_TreeBuilderServicer_to_server, servicer, "ddtree.v1.TreeBuilder")
-    add_transport_service(server, transport, with_attach=False)
+    add_transport_service(server, transport)
     return server, servicer, transport
 
 

@@ -35,6 +35,11 @@ class TransportStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Attach = channel.unary_unary(
+                '/ddtree.v1.Transport/Attach',
+                request_serializer=ddtree_dot_v1_dot_transport__pb2.AttachRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_transport__pb2.AttachReply.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/ddtree.v1.Transport/Status',
                 request_serializer=ddtree_dot_v1_dot_transport__pb2.TransportStatusRequest.SerializeToString,
@@ -60,6 +65,14 @@ class TransportStub:
 class TransportServicer:
     """Served by every process that owns or imports regions.
     """
+
+    def Attach(self, request, context):
+        """Registers the caller's regions and returns ours (the same exchange as Drafter.Attach and
+        TreeBuilder.Attach, for peers that need only the transport, e.g. the probe server).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Status(self, request, context):
         """Lists regions and their reference counts.
@@ -92,6 +105,11 @@ class TransportServicer:
 
 def add_TransportServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=ddtree_dot_v1_dot_transport__pb2.AttachRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_transport__pb2.AttachReply.SerializeToString,
+            ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
                     request_deserializer=ddtree_dot_v1_dot_transport__pb2.TransportStatusRequest.FromString,
@@ -123,6 +141,33 @@ def add_TransportServicer_to_server(servicer, server):
 class Transport:
     """Served by every process that owns or imports regions.
     """
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ddtree.v1.Transport/Attach',
+            ddtree_dot_v1_dot_transport__pb2.AttachRequest.SerializeToString,
+            ddtree_dot_v1_dot_transport__pb2.AttachReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Status(request,
