@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -26,20 +25,11 @@ from ddtree_client.generate import GenerateOptions
 from ddtree_client.loadtest import LoadTestConfig, format_table, run_sweep, to_json
 from ddtree_client.prompts import BUILTIN_PROMPTS, load_prompts
 
-SERVE = textwrap.dedent("""
-    import argparse, sys
-    from ddtree.verify.main import add_serve_parser
-    parser = argparse.ArgumentParser(prog="ddtree serve")
-    add_serve_parser(parser.add_subparsers())
-    args = parser.parse_args(sys.argv[1:])
-    sys.exit(args.func(args))
-""")
-
-
 def start_verify(args, env_extra: dict, log_path: Path) -> tuple[subprocess.Popen, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "DDTREE_TRACE"))}
     env.update(PYTHONUNBUFFERED="1", **env_extra)
-    cmd = [sys.executable, "-c", SERVE, "verify", "--target", args.target, "--port", "0", *args.verify_arg]
+    cmd = [sys.executable, "-m", "ddtree.cli", "serve", "verify", "--target", args.target, "--port", "0",
+           *args.verify_arg]
     if args.drafter:
         cmd += ["--drafter", args.drafter]
     log = open(log_path, "w")
@@ -111,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     head = header(argv)
     (out / "service_baseline.txt").write_text(head + "# tracing off; every request generates max_tokens (ignore_eos)\n"
                                               + format_table(runs["off"]))
-    report = subprocess.run([sys.executable, "-m", "ddtree.telemetry.trace_report", "trace-report", "--file",
+    report = subprocess.run([sys.executable, "-m", "ddtree.cli", "trace-report", "--file",
                              str(trace_file), "--group-by", "level"], capture_output=True, text=True)
     (out / "trace_report.txt").write_text(head + "# full-sampling tracing run, grouped by load-test level\n"
                                           + report.stdout + report.stderr)

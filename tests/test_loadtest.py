@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from ddtree.grpc_options import channel_options
 from ddtree.telemetry import TracingClientInterceptor
 from ddtree.telemetry import spans as S
 from ddtree.telemetry import trace_report as R
+from ddtree.up import service_available
 from ddtree.v1 import generation_pb2_grpc
 from ddtree_client import cli
 from ddtree_client.generate import GenerateOptions, build_request, stream_generate
@@ -37,20 +38,19 @@ pytest.importorskip("dflash")
 from test_engine_common import VOCAB, make_pair  # noqa: E402
 
 MAX_TOKENS = 12
+SERVER, CLIENT = 2, 3        # OTLP SpanKind values
 PROMPTS = [[1 + (i * 7 + j * 3) % (VOCAB - 3) for j in range(4 + i % 5)] for i in range(12)]  # ids < EOS
 
-# `ddtree serve verify` through the same parser function the CLI registers.
-SERVE = textwrap.dedent("""
-    import argparse, sys
-    from ddtree.verify.main import add_serve_parser
-    parser = argparse.ArgumentParser(prog="ddtree serve")
-    add_serve_parser(parser.add_subparsers())
-    args = parser.parse_args(sys.argv[1:])
-    sys.exit(args.func(args))
-""")
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
-def _wait_for_port(proc: subprocess.Popen, name: str, timeout_s: float = 120.0) -> int:
+def _wait_until_ready(proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
+    """Reads `ddtree up` output until it says ready (its children's lines come along)."""
     deadline = time.monotonic() + timeout_s
     lines = []
     while time.monotonic() < deadline:
@@ -60,31 +60,34 @@ def _wait_for_port(proc: subprocess.Popen, name: str, timeout_s: float = 120.0) 
                 break
             continue
         lines.append(line)
-        if line.startswith(f"{name} listening on "):
-            return int(line.rsplit(":", 1)[1])
+        if line.startswith("ddtree up: ready"):
+            return
     proc.kill()
-    raise AssertionError(f"{name} did not start:\n{''.join(lines[-30:])}")
+    raise AssertionError("ddtree up did not get ready:\n" + "".join(lines[-40:]))
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
+    """`ddtree up`: verify + drafter service (+ tree-build sidecar when it exists), as processes."""
     root = tmp_path_factory.mktemp("stack")
     target, drafter = make_pair(root)
     receiver = OtlpReceiver().start()
-    trace_file = root / "verify-spans.jsonl"
+    trace_file = root / "spans.jsonl"
     env = dict(os.environ, PYTHONUNBUFFERED="1", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
                OTEL_EXPORTER_OTLP_INSECURE="true", DDTREE_TRACE_FILE=str(trace_file), OTEL_BSP_SCHEDULE_DELAY="100",
                DDTREE_TRACE_STEPS="1")
     env.pop("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None)
+    port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVE, "verify", "--target", str(target), "--drafter", str(drafter), "--port", "0",
-         "--device", "cpu", "--max-running", "8"],
+        [sys.executable, "-m", "ddtree.cli", "up", "--target", str(target), "--drafter", str(drafter), "--port", str(port),
+         "--device", "cpu", "--verify-arg=--max-running=8", "--grace-s", "20"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    port = _wait_for_port(proc, "verify")
+    _wait_until_ready(proc)
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
     yield {"target": f"127.0.0.1:{port}", "trace_file": trace_file, "receiver": receiver, "root": root}
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=60)
     finally:
         proc.kill()
         receiver.stop()
@@ -160,7 +163,9 @@ def test_traced_generation_links_across_processes(stack, tmp_path):
     spans = [s for s in stack["receiver"].wait_for(done, timeout=20) if s["trace_id"] == client_trace]
     by_id = {s["span_id"]: s for s in spans}
     (server,) = [s for s in spans if s["name"] == "ddtree.v1.Generation/Generate"]
-    assert server["service"] == "verify" and server["parent_span_id"] == client_span   # across processes
+    assert server["parent_span_id"] == client_span                                  # across processes
+    verify_service = server["service"]
+    assert verify_service
     (req,) = [s for s in spans if s["name"] == S.REQUEST]
     assert req["parent_span_id"] == server["span_id"]
     attrs = req["attributes"]
@@ -171,6 +176,20 @@ def test_traced_generation_links_across_processes(stack, tmp_path):
     steps = [s for s in spans if s["name"] == S.STEP]
     assert len(steps) == record.usage.steps and all(s["parent_span_id"] == req["span_id"] for s in steps)
     assert sum(s["attributes"][S.STEP_ACCEPTED_TOKENS].int_value for s in steps) == sum(record.accepted_lengths)
+    # Each remote component's CLIENT span has its SERVER span in the peer process as a child:
+    # the drafter always; the tree-build sidecar's Build/Accept when `ddtree up` started one.
+    remote = {S.DRAFT: "ddtree.v1.Drafter/Draft"}
+    if service_available("treebuild"):
+        remote.update({S.TREE_BUILD: "ddtree.v1.TreeBuilder/Build", S.ACCEPT: "ddtree.v1.TreeBuilder/Accept"})
+    for step in steps:
+        for comp, rpc in remote.items():
+            (comp_span,) = [s for s in spans if s["parent_span_id"] == step["span_id"]
+                            and s["name"] == S.component_span_name(comp)]
+            (client,) = [s for s in spans if s["parent_span_id"] == comp_span["span_id"] and s["kind"] == CLIENT]
+            (server,) = [s for s in spans if s["parent_span_id"] == client["span_id"] and s["kind"] == SERVER]
+            assert client["name"] == server["name"] == rpc and client["service"] == verify_service
+            assert server["service"] not in ("", verify_service)
+            assert client["start"] <= server["start"] <= server["end"] <= client["end"]
     for step in steps:
         assert step["attributes"][S.STEP_BATCH_SIZE].int_value == 1
         children = [s for s in spans if s["parent_span_id"] == step["span_id"]]
