@@ -7,7 +7,6 @@ and `ddtree-client`.
 from __future__ import annotations
 
 import argparse
-import importlib
 import re
 from pathlib import Path
 
@@ -33,28 +32,11 @@ def compose():
     return interpolate(yaml.safe_load((ROOT / "compose.yaml").read_text()))
 
 
-def ddtree_parser() -> argparse.ArgumentParser:
-    """`ddtree` as installed; `serve`/`up` subcommands not registered in cli.py yet come from their modules."""
-    from ddtree import cli
-    from ddtree.up import SERVICES
-
-    parser = cli.build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "up" not in sub.choices:
-        importlib.import_module("ddtree.up").add_up_parser(sub)
-    if "serve" not in sub.choices:
-        serve = sub.add_parser("serve")
-        serve.add_subparsers(dest="service", required=True)
-    serve_sub = next(a for a in sub.choices["serve"]._actions if isinstance(a, argparse._SubParsersAction))
-    for name, module in SERVICES.items():
-        if name not in serve_sub.choices:
-            importlib.import_module(module).add_serve_parser(serve_sub)
-    return parser
-
-
 def parse(command: list[str]) -> argparse.Namespace:
     if command[0] == "ddtree":
-        parser = ddtree_parser()
+        from ddtree.cli import build_parser
+
+        parser = build_parser()
     elif command[0] == "ddtree-client":
         from ddtree_client.cli import build_parser
 

@@ -29,7 +29,7 @@ pytest.importorskip("dflash.model")
 
 class Up:
     def __init__(self, args, env):
-        self.proc = subprocess.Popen([sys.executable, "-m", "ddtree.up", *args], env=env, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "ddtree.cli", "up", *args], env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 DEFAULT_PORT = 50051
-# `ddtree serve NAME`: the module whose add_serve_parser(serve_subparsers) registers NAME.
+# The module of each `ddtree serve NAME` (a service whose module is missing is left out).
 SERVICES = {"verify": "ddtree.verify.main", "drafter": "ddtree.drafter.main", "treebuild": "ddtree.treebuild.main"}
 
 
@@ -62,7 +62,7 @@ class Child:
 
 def serve_command(name: str, args: list[str]) -> list[str]:
     """The command line that runs `ddtree serve NAME ARGS` with this interpreter."""
-    return [sys.executable, "-m", "ddtree.up", "serve", name, *args]
+    return [sys.executable, "-m", "ddtree.cli", "serve", name, *args]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -194,29 +194,3 @@ def run(args: argparse.Namespace) -> int:
     finally:
         stop_all(children, args.grace_s)
 
-
-def serve_main(argv: list[str]) -> int:
-    """`python -m ddtree.up serve NAME ...`: runs one service with the same parser as `ddtree serve NAME`."""
-    parser = argparse.ArgumentParser(prog="ddtree serve")
-    sub = parser.add_subparsers(dest="service", metavar="SERVICE", required=True)
-    for module in SERVICES.values():
-        try:
-            importlib.import_module(module).add_serve_parser(sub)
-        except ImportError:
-            continue
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:
-        return serve_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="ddtree up", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_up_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -227,6 +227,8 @@ class Engine:
         with self._wake:
             self._requests[rid] = req
             self._wake.notify_all()
+        log.info("request %s submitted: %d prompt tokens, mode %s", rid, len(spec.prompt_ids), mode.value,
+                 extra={"request_id": rid, "client_request_id": spec.client_request_id, "queued": self.scheduler.queued})
         return RequestHandle(req, self)
 
     def cancel(self, request_id: str) -> None:

@@ -184,14 +184,3 @@ def serve(args, provider, log: logging.Logger) -> int:
         supervisor.stop()
     return exit_code[0]
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m ddtree.verify.main ...` (same flags as `ddtree serve verify`)."""
-    parser = argparse.ArgumentParser(prog="ddtree serve verify", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_verify_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -55,6 +55,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 yield from self._final(event, context)
 
     def _final(self, usage: Usage, context):
+        if usage.error == "deadline exceeded":  # the engine noticed the deadline before gRPC did
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         if usage.finish_reason is FinishReason.ERROR:
             context.abort(grpc.StatusCode.INTERNAL, usage.error or "generation failed")
         if usage.finish_reason is FinishReason.CANCELLED and usage.error == "server shutting down":
