@@ -82,7 +82,7 @@ def dequantize_fp8_block(
         )
     out_dim, in_dim = w.shape
     bo, bi = block
-    scale = scale_inv.float()
+    w, scale = w.contiguous(), scale_inv.float()
     out = torch.empty(out_dim, in_dim, dtype=dtype, device=w.device)
     per_chunk = max(1, _CHUNK_ELEMS // (bo * max(in_dim, 1)))  # block rows per chunk
     for b0 in range(0, scale.shape[0], per_chunk):
@@ -184,7 +184,7 @@ def dequantize_int4_group(
     n_groups = scale.shape[1]
     width = n_groups * group_size  # columns covered by the scales, >= in_dim
     out = torch.empty(out_dim, in_dim, dtype=dtype, device=packed.device)
-    rows = max(1, _CHUNK_ELEMS // width)
+    rows = max(1, _CHUNK_ELEMS // max(width, 1))
     for r0 in range(0, out_dim, rows):
         r1 = min(r0 + rows, out_dim)
         nib = _nibbles(packed[r0:r1])
