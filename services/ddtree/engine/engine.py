@@ -184,6 +184,10 @@ class Engine:
         spec = (Mode.DDTREE, Mode.CHAIN) if self.drafter is not None and self.tree is not None else ()
         return (*spec, Mode.AR)
 
+    def modes_now(self) -> tuple[Mode, ...]:
+        """The modes served right now: without ddtree/chain while the drafter is bypassed."""
+        return (Mode.AR,) if "drafter" in self._down else self.modes
+
     def start(self) -> "Engine":
         self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
         self._thread.start()
@@ -218,14 +222,17 @@ class Engine:
             stop=StopChecker(spec.sampling, self.tokenizer.decoder(), eos_token_ids=self.target.eos_token_ids,
                              max_new_tokens=max_new),
             arrival=time.monotonic(), span=span, server_choice=spec.mode is None)
+        with self._wake:  # known before the loop can admit it (it may finish before submit returns)
+            self._requests[rid] = req
         try:
             self.scheduler.submit(req, self._worst_case_tokens(req, max_new))
         except Overloaded as exc:
+            with self._wake:
+                del self._requests[rid]
             S.end_request_span(span, completion_tokens=0, finish_reason="error", steps=0, target_forwards=0,
                                mean_acceptance_length=0.0, mode_used=mode.value, error=str(exc))
             raise
         with self._wake:
-            self._requests[rid] = req
             self._wake.notify_all()
         log.info("request %s submitted: %d prompt tokens, mode %s", rid, len(spec.prompt_ids), mode.value,
                  extra={"request_id": rid, "client_request_id": spec.client_request_id, "queued": self.scheduler.queued})
@@ -283,7 +290,10 @@ class Engine:
 
     # ---- prefill ---------------------------------------------------------------------------------
     def _prefill(self, admitted: list[_Request]) -> None:
-        admitted = [r for r in admitted if not r.cancelled]
+        for r in admitted:
+            if r.finished:  # ended (deadline) between its registration and its submission
+                self.scheduler.finish(r)
+        admitted = [r for r in admitted if not r.cancelled and not r.finished]
         for req in admitted:  # one forward per prompt: prompts are ragged and prefill is compute-bound
             first, feats = self.target.prefill([req.seq_id], [req.spec.prompt_ids], [req.sampler])
             req.target_forwards += 1

@@ -92,6 +92,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_context=limits.max_context, tp_size=e.target.tp_size,
             drafter=self.drafter_name if e.drafter is not None else "",
             block_size=self.block_size if e.drafter is not None else 0,
-            eos_token_ids=list(e.target.eos_token_ids), modes=[MODE_TO_PB[m] for m in e.modes],
+            eos_token_ids=list(e.target.eos_token_ids), modes=[MODE_TO_PB[m] for m in e.modes_now()],
             max_budget=limits.max_budget, max_tokens_limit=limits.max_tokens_limit,
             tokenizer=e.tokenizer.kind, version=__version__)
