@@ -24,7 +24,6 @@ from ddtree.engine.loader import ModelSetup, build_local_engine
 from ddtree.engine.request import FinishReason, Mode, Overloaded, validate_request
 from ddtree.engine.scheduler import SchedulerConfig
 
-pytest.importorskip("dflash.model")
 
 CONFIG = EngineConfig(scheduler=SchedulerConfig(max_running=8, max_queue=64, num_pages=256, page_size=8),
                       budget=BudgetPolicy(tokens_per_step=256, min_budget=8, max_budget=64),

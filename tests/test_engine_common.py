@@ -35,7 +35,8 @@ def make_target(path: Path, seed: int = 0) -> Path:
 
 
 def make_drafter(path: Path, seed: int = 1, block_size: int = 5) -> Path:
-    from dflash.model import DFlashDraftModel
+    """z-lab format, written by dflash.DFlashDraftModel (or, where the dflash package is missing,
+    e.g. on the GPU machine, by our own DFlashDrafter: same config.json and tensor names)."""
     from transformers import Qwen3Config
 
     cfg = Qwen3Config(hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
@@ -43,11 +44,33 @@ def make_drafter(path: Path, seed: int = 1, block_size: int = 5) -> Path:
                       num_target_layers=TARGET["num_hidden_layers"], layer_types=["full_attention"])
     cfg.dflash_config = {"target_layer_ids": [0, 2], "mask_token_id": VOCAB - 1, "block_size": block_size}
     torch.manual_seed(seed)
+    try:
+        from dflash.model import DFlashDraftModel
+    except ImportError:
+        return _make_drafter_ourselves(path, cfg)
     model = DFlashDraftModel(cfg).eval()
+    _randomize(model)
+    model.save_pretrained(path)
+    return path
+
+
+def _randomize(model) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
-    model.save_pretrained(path)
+
+
+def _make_drafter_ourselves(path: Path, cfg) -> Path:
+    from safetensors.torch import save_file
+
+    from ddtree.models.dflash import DFlashDrafter
+    from ddtree.models.dflash_config import DFlashConfig
+
+    cfg.save_pretrained(path)
+    model = DFlashDrafter(DFlashConfig.from_pretrained(path), embed_tokens=torch.zeros(VOCAB, HIDDEN),
+                          lm_head=torch.zeros(VOCAB, HIDDEN))
+    _randomize(model)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
     return path
 
 

@@ -24,7 +24,6 @@ from ddtree.up import free_port
 from ddtree.v1 import generation_pb2 as pb
 from ddtree.v1 import generation_pb2_grpc
 
-pytest.importorskip("dflash.model")
 
 
 class Up:

@@ -26,7 +26,6 @@ from ddtree.grpc_options import channel_options
 from ddtree.v1 import generation_pb2 as pb
 from ddtree.v1 import generation_pb2_grpc
 
-pytest.importorskip("dflash.model")
 
 
 class Service:
