@@ -2,47 +2,93 @@
 
     python benchmarks/bench_service.py --target DIR --drafter DIR --out benchmarks/results/h200 \
         [--concurrency 1,4,10,32,64] [--modes ddtree,chain,ar] [--max-tokens 256] [--num-requests N]
-        [--prompts FILE] [--verify-arg=--tp=8 ...]
+        [--prompts FILE] [--repeats 3] [--stack up|verify] [--up-arg=--device=cuda] [--verify-arg=--max-running=64 ...]
 
-Two starts of the verify service on the same checkpoints, the same sweep on each:
+Two starts of the stack (`ddtree up` by default: verify + drafter + tree-build sidecar; or the
+verify service alone) on the same checkpoints, the same sweep on each:
   1. tracing off (OTEL_TRACES_SAMPLER=always_off)                 -> service_baseline.txt
-  2. full-sampling tracing (always_on, every step, spans to a file) -> trace_report.txt (by level)
-and tracing_cost.txt: agg tok/s of run 2 over run 1 per level (goal >= 0.97).
+  2. full-sampling tracing (always_on, every step, OTLP/gRPC to a collector in this script, as to
+     Jaeger; written to service_trace.jsonl after the sweep) -> trace_report.txt (by level)
+and tracing_cost.txt: agg tok/s of run 2 over run 1 per level (goal >= 0.97); with --repeats N
+the two alternate N times and the medians are compared.
 Every file starts with the command, the git commit and the device that produced it.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
+import socket
+import statistics
 import subprocess
 import sys
+import threading
 import time
+from concurrent import futures
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
+from google.protobuf.json_format import MessageToDict
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from ddtree.telemetry.file_exporter import _hex_ids
 from ddtree_client.generate import GenerateOptions
 from ddtree_client.loadtest import LoadTestConfig, format_table, run_sweep, to_json
 from ddtree_client.prompts import BUILTIN_PROMPTS, load_prompts
 
-def start_verify(args, env_extra: dict, log_path: Path) -> tuple[subprocess.Popen, str]:
+class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):
+    """The services export OTLP/gRPC here, as they would to Jaeger; requests are kept as received
+    and written as OTLP-JSON lines only after the sweep, so no JSON encoding runs during it (not in
+    the services, not next to the load-test client's timing threads)."""
+
+    def __init__(self):
+        self._requests: list = []
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.so_reuseport", 0)])
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
+        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self._server.start()
+
+    def Export(self, request, context):
+        self._requests.append(request)      # list.append is atomic under the GIL
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def write(self, path: Path) -> None:
+        self._server.stop(1).wait()
+        with open(path, "w", encoding="utf-8") as fh:
+            for request in self._requests:
+                fh.write(json.dumps(_hex_ids(MessageToDict(request)), separators=(",", ":")) + "\n")
+
+
+def start_stack(args, env_extra: dict, log_path: Path) -> tuple[subprocess.Popen, str]:
+    """`ddtree up` (verify + drafter + tree-build sidecar) or `ddtree serve verify` alone; its address."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "DDTREE_TRACE"))}
     env.update(PYTHONUNBUFFERED="1", **env_extra)
-    cmd = [sys.executable, "-m", "ddtree.cli", "serve", "verify", "--target", args.target, "--port", "0",
-           *args.verify_arg]
-    if args.drafter:
-        cmd += ["--drafter", args.drafter]
+    if args.stack == "up":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "ddtree.cli", "up", "--target", args.target, "--drafter", args.drafter,
+               "--port", str(port), *(f"--verify-arg={a}" for a in args.verify_arg), *args.up_arg]
+        ready = "ddtree up: ready"
+    else:
+        cmd = [sys.executable, "-m", "ddtree.cli", "serve", "verify", "--target", args.target, "--port", "0",
+               *(["--drafter", args.drafter] if args.drafter else []), *args.verify_arg]
+        ready = "verify listening on "
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
     deadline = time.monotonic() + args.start_timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
-        if line.startswith("verify listening on "):
-            return proc, "127.0.0.1:" + line.rsplit(":", 1)[1].strip()
+        if line.startswith(ready):
+            threading.Thread(target=lambda: [log.write(x) for x in proc.stdout], daemon=True).start()
+            return proc, f"127.0.0.1:{port}" if args.stack == "up" else "127.0.0.1:" + line.rsplit(":", 1)[1].strip()
+        log.write(line)
         if not line and proc.poll() is not None:
             break
     proc.kill()
-    raise SystemExit(f"verify did not start; see {log_path}")
+    raise SystemExit(f"{args.stack} did not start; see {log_path}")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -69,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
-    p.add_argument("--drafter", default=None)
+    p.add_argument("--drafter", default=None, help="required with --stack up")
     p.add_argument("--out", required=True, help="folder for the result files")
     p.add_argument("--concurrency", default="1,4,10,32,64")
     p.add_argument("--modes", default="ddtree,chain,ar")
@@ -77,9 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=None, help="per level (default max(8, 4 x conc))")
     p.add_argument("--prompts", default=None, help="prompts file (default: the built-in set)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--stack", choices=("up", "verify"), default="up",
+                   help="up: verify + drafter + tree-build sidecar as processes (default); verify: one process")
     p.add_argument("--verify-arg", action="append", default=[], help="extra `serve verify` argument (repeatable)")
+    p.add_argument("--up-arg", action="append", default=[], help="extra `ddtree up` argument (repeatable)")
     p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--repeats", type=int, default=1, help="alternating off/on runs; tracing_cost uses medians")
     args = p.parse_args(argv)
+    if args.stack == "up" and not args.drafter:
+        p.error("--stack up needs --drafter")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = LoadTestConfig(
@@ -88,29 +140,36 @@ def main(argv: list[str] | None = None) -> int:
         prompts=tuple(load_prompts(args.prompts)) if args.prompts else BUILTIN_PROMPTS, warmup=args.warmup)
     trace_file = out / "service_trace.jsonl"
     trace_file.unlink(missing_ok=True)
-    runs = {}
-    for name, env in (("off", {"OTEL_TRACES_SAMPLER": "always_off"}),
-                      ("on", {"OTEL_TRACES_SAMPLER": "always_on", "DDTREE_TRACE_STEPS": "1",
-                              "DDTREE_TRACE_FILE": str(trace_file)})):
-        proc, address = start_verify(args, env, out / f"verify_tracing_{name}.log")
-        try:
-            runs[name] = run_sweep(replace(config, target=address))
-        finally:
-            stop(proc)
-        (out / f"service_tracing_{name}.json").write_text(to_json(runs[name], config))
+    collector = OtlpCollector()
+    tracing = {"off": {"OTEL_TRACES_SAMPLER": "always_off"},
+               "on": {"OTEL_TRACES_SAMPLER": "always_on", "DDTREE_TRACE_STEPS": "1",
+                      "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}",
+                      "OTEL_EXPORTER_OTLP_INSECURE": "true"}}
+    runs: dict[str, list] = {"off": [], "on": []}
+    for rep in range(args.repeats):               # off and on alternate, so drift hits both alike
+        for name, env in tracing.items():
+            proc, address = start_stack(args, env, out / f"{args.stack}_tracing_{name}_{rep}.log")
+            try:
+                runs[name].append(run_sweep(replace(config, target=address)))
+            finally:
+                stop(proc)
+            (out / f"service_tracing_{name}_{rep}.json").write_text(to_json(runs[name][-1], config))
+    collector.write(trace_file)
     head = header(argv)
-    (out / "service_baseline.txt").write_text(head + "# tracing off; every request generates max_tokens (ignore_eos)\n"
-                                              + format_table(runs["off"]))
+    (out / "service_baseline.txt").write_text(
+        head + "# tracing off, first repeat; every request generates max_tokens (ignore_eos)\n" + format_table(runs["off"][0]))
     report = subprocess.run([sys.executable, "-m", "ddtree.cli", "trace-report", "--file",
                              str(trace_file), "--group-by", "level"], capture_output=True, text=True)
-    (out / "trace_report.txt").write_text(head + "# full-sampling tracing run, grouped by load-test level\n"
+    (out / "trace_report.txt").write_text(head + "# full-sampling tracing runs, grouped by load-test level\n"
                                           + report.stdout + report.stderr)
     lines = [f"{'mode':<7}{'conc':>5}{'off_tok/s':>11}{'on_tok/s':>11}{'on/off':>8}"]
-    for off, on in zip(runs["off"], runs["on"]):
-        lines.append(f"{off.mode:<7}{off.concurrency:>5}{off.agg_tok_s:>11.1f}{on.agg_tok_s:>11.1f}"
-                     f"{on.agg_tok_s / off.agg_tok_s:>8.3f}")
-    (out / "tracing_cost.txt").write_text(head + "# agg tok/s with full-sampling tracing over tracing off (goal >= 0.97)\n"
-                                          + "\n".join(lines) + "\n")
+    for i, level in enumerate(runs["off"][0]):
+        off = statistics.median(sweep[i].agg_tok_s for sweep in runs["off"])
+        on = statistics.median(sweep[i].agg_tok_s for sweep in runs["on"])
+        lines.append(f"{level.mode:<7}{level.concurrency:>5}{off:>11.1f}{on:>11.1f}{on / off:>8.3f}")
+    (out / "tracing_cost.txt").write_text(
+        head + f"# agg tok/s, median of {args.repeats} alternating runs each, with full-sampling tracing over "
+        "tracing off (goal >= 0.97)\n" + "\n".join(lines) + "\n")
     for name in ("service_baseline.txt", "trace_report.txt", "tracing_cost.txt"):
         print((out / name).read_text())
     return 0
