@@ -78,6 +78,7 @@ class EngineConfig:
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256
     max_top_k: int = 64            # K of the drafter's top-k for ddtree: min(budget, max_top_k, vocab)
+    prefill_tokens_per_step: int = 8192  # prompt tokens prefilled between two decode steps (>= 1 prompt)
     reattach_after_s: float = 5.0  # how long a failed peer is bypassed before new work tries it again
     idle_wait_s: float = 0.05
 
@@ -160,6 +161,7 @@ class Engine:
         self.scheduler: Scheduler[_Request] = Scheduler(config.scheduler)
         self._requests: dict[str, _Request] = {}
         self._running: list[_Request] = []
+        self._to_prefill: list[_Request] = []  # admitted (pages reserved), prompt not yet in the cache
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ids = itertools.count()
@@ -250,12 +252,11 @@ class Engine:
         try:
             while not self._stop.is_set():
                 self._reap()
-                admitted = self.scheduler.admit()
-                if admitted:
-                    self._prefill(admitted)
+                self._to_prefill += self.scheduler.admit()
+                prefilled = self._prefill()
                 if self._running:
                     self._step()
-                elif not admitted:
+                elif not prefilled:
                     with self._wake:
                         self._wake.wait(self.config.idle_wait_s)
         except BaseException as exc:  # the target failed: fail every request, stop serving
@@ -289,13 +290,20 @@ class Engine:
         return self.drafter.block_size - 1 if self.drafter is not None else 0
 
     # ---- prefill ---------------------------------------------------------------------------------
-    def _prefill(self, admitted: list[_Request]) -> None:
-        for r in admitted:
-            if r.finished:  # ended (deadline) between its registration and its submission
-                self.scheduler.finish(r)
-        admitted = [r for r in admitted if not r.cancelled and not r.finished]
-        for req in admitted:  # one forward per prompt: prompts are ragged and prefill is compute-bound
+    def _prefill(self) -> bool:
+        """Prefills admitted requests, up to `prefill_tokens_per_step` prompt tokens (at least one
+        prompt) so running requests keep decoding while a burst of long prompts arrives."""
+        done, tokens = False, 0
+        while self._to_prefill and (not done or tokens + len(self._to_prefill[0].spec.prompt_ids)
+                                    <= self.config.prefill_tokens_per_step):
+            req = self._to_prefill.pop(0)
+            if req.finished:  # ended (deadline) between its registration and its submission
+                self.scheduler.finish(req)
+                continue
+            if req.cancelled:
+                continue  # _reap finishes it
             first, feats = self.target.prefill([req.seq_id], [req.spec.prompt_ids], [req.sampler])
+            done, tokens = True, tokens + len(req.spec.prompt_ids)
             req.target_forwards += 1
             req.bonus, req.position = first[0], len(req.spec.prompt_ids)
             req.new_features = feats[0] if req.mode is not Mode.AR else None
@@ -303,6 +311,7 @@ class Engine:
             S.mark_first_token(req.span, req.ttft_ms)
             self._running.append(req)
             self._emit(req, [first[0]], accepted_length=1)
+        return done
 
     # ---- one decode step -------------------------------------------------------------------------
     def _step(self) -> None:
@@ -487,6 +496,8 @@ class Engine:
         req.finished = True
         if req in self._running:
             self._running.remove(req)
+        if req in self._to_prefill:
+            self._to_prefill.remove(req)
         if not self.scheduler.drop_queued(req):
             try:
                 self.target.release(req.seq_id)

@@ -57,6 +57,8 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--min-budget", type=int, default=4, help="budget policy: smallest per-request budget")
     s.add_argument("--max-budget", type=int, default=256, help="largest tree budget (policy and clients)")
     s.add_argument("--max-top-k", type=int, default=64, help="K of the drafter's top-k (capped by the budget)")
+    s.add_argument("--prefill-tokens-per-step", type=int, default=8192,
+                   help="prompt tokens prefilled between two decode steps (at least one prompt)")
     s.add_argument("--reattach-after-s", type=float, default=5.0,
                    help="a failed drafter/sidecar is bypassed this long before it is tried again")
 
@@ -72,7 +74,8 @@ def engine_config(args):
         budget=BudgetPolicy(tokens_per_step=args.tokens_per_step, min_budget=min(args.min_budget, args.max_budget),
                             max_budget=args.max_budget),
         max_tokens_limit=args.max_tokens_limit, default_max_tokens=min(args.default_max_tokens, args.max_tokens_limit),
-        max_top_k=args.max_top_k, reattach_after_s=args.reattach_after_s)
+        max_top_k=args.max_top_k, reattach_after_s=args.reattach_after_s,
+        prefill_tokens_per_step=args.prefill_tokens_per_step)
 
 
 def run(args: argparse.Namespace) -> int:
