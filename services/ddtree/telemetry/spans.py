@@ -167,7 +167,7 @@ def step_span(
 ) -> Iterator[Span]:
     """The span of one decode step, current while the block runs.
 
-    Parent: the first sampled request of the batch; every sampled request is a link.
+    Parent: the first sampled request of the batch; the other sampled requests are links.
     When the detail switch leaves this step out, the block runs under a non-sampled context
     (so RPC spans below are dropped too) and the yielded span is non-recording: callers may
     set attributes on it unconditionally. Set tree nodes / accepted tokens with `end_step`.
@@ -181,7 +181,7 @@ def step_span(
         return
     attrs = {STEP_ID: step_id, STEP_BATCH_SIZE: batch_size, STEP_MODE: mode, STEP_BUDGET: budget,
              STEP_TP_SIZE: tp_size}
-    links = [Link(c) for c in contexts if c.trace_flags.sampled]
+    links = [Link(c) for c in contexts if c.trace_flags.sampled and c is not parent]
     ctx = trace.set_span_in_context(NonRecordingSpan(parent)) if parent is not None else None
     with tracer.start_as_current_span(STEP, context=ctx, links=links, attributes=attrs) as span:
         yield span
