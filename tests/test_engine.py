@@ -27,7 +27,7 @@ from ddtree.engine.scheduler import SchedulerConfig
 
 CONFIG = EngineConfig(scheduler=SchedulerConfig(max_running=8, max_queue=64, num_pages=256, page_size=8),
                       budget=BudgetPolicy(tokens_per_step=256, min_budget=8, max_budget=64),
-                      max_tokens_limit=64)
+                      max_tokens_limit=64, prefill_tokens_per_step=16)  # bursts: prefills interleave with steps
 
 
 @pytest.fixture(scope="module", autouse=True)
