@@ -361,8 +361,8 @@ def to_json(reports: Sequence[GroupReport], group_by: Sequence[str]) -> str:
     return json.dumps({"group_by": list(group_by), "groups": [asdict(r) for r in reports]}, indent=1)
 
 
-def plot(reports: Sequence[GroupReport], path: str, group_by: Sequence[str]) -> None:
-    """PNG: mean ms per step stacked by component (left) and by gpu/transport/host (right)."""
+def _pyplot():
+    """matplotlib is optional: imported only for --plot, with a clear error when missing."""
     try:
         import matplotlib
     except ImportError:
@@ -370,6 +370,12 @@ def plot(reports: Sequence[GroupReport], path: str, group_by: Sequence[str]) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot(reports: Sequence[GroupReport], path: str, group_by: Sequence[str]) -> None:
+    """PNG: mean ms per step stacked by component (left) and by gpu/transport/host (right)."""
+    plt = _pyplot()
     reports = [r for r in reports if r.group != "all"] or list(reports)
     labels = [r.group for r in reports]
     comps = list(dict.fromkeys(row.component for r in reports for row in r.rows))
@@ -424,6 +430,8 @@ def add_trace_report_parser(subparsers) -> argparse.ArgumentParser:
 def run_trace_report(args: argparse.Namespace) -> int:
     group_by = tuple(g for g in (x.strip() for x in args.group_by.split(",")) if g and g != "none")
     try:
+        if args.plot:
+            _pyplot()                 # fail before any output when it cannot be drawn
         if args.jaeger:
             records = fetch_jaeger(args.jaeger, args.service, args.lookback, args.limit)
             source = f"Jaeger {args.jaeger} service {args.service} (last {args.lookback})"
