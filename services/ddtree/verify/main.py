@@ -92,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve(args, provider, log: logging.Logger) -> int:
+    import dataclasses
+
     import torch.distributed as dist
 
     from ddtree.engine.loader import ModelSetup, build_local_engine, feature_layers, load_target, resolve_device
@@ -107,24 +109,35 @@ def serve(args, provider, log: logging.Logger) -> int:
     if args.drafter and args.tp > 1 and not args.drafter_endpoint:
         raise ValueError("with --tp > 1 the drafter runs as its own service: pass --drafter-endpoint")
     device = resolve_device(args.device)
-    setup = ModelSetup(target=args.target, drafter=None if args.drafter_endpoint else args.drafter,
-                       drafter_layer_ids=(), device=rank_device(device, 0), dtype=args.dtype,
+    setup = ModelSetup(target=args.target, drafter=args.drafter, device=rank_device(device, 0), dtype=args.dtype,
                        max_context=args.max_context, tree_backend=args.tree_backend)
-    if args.drafter_endpoint:
-        setup = ModelSetup(**{**setup.__dict__, "drafter_layer_ids": feature_layers(ModelSetup(args.target, args.drafter))})
+    if args.drafter_endpoint:  # remote drafter: only its feature layers matter here
+        setup = dataclasses.replace(setup, drafter=None, drafter_layer_ids=feature_layers(setup))
     config = engine_config(args)
+    server = GrpcServer(ServerConfig(name="verify", host=args.host, port=args.port, tls_cert=args.tls_cert,
+                                     tls_key=args.tls_key), provider)
 
     supervisor, group = None, None
     if args.tp > 1:
         rank_args = RankArgs(world=args.tp, port=free_port(), target=args.target, device=device, dtype=args.dtype,
                              feature_layers=feature_layers(setup))
         supervisor = RankSupervisor(rank_args, env=dict(os.environ))
+
+        def on_rank_death(message: str) -> None:
+            # rank 0 may be blocked in a collective with the dead rank: never wait for it
+            server.set_serving(False)
+            killer = threading.Timer(5.0, os._exit, args=(1,))
+            killer.daemon = True
+            killer.start()
+            server.stop(1.0)
+            log.error("verify stopped: %s", message)
+            os._exit(1)
+        supervisor.watch(on_rank_death)
         init_distributed(0, args.tp, rank_args.port, rank_device(device, 0))
         group = dist.group.WORLD
     target = load_target(setup, config, process_group=group)
 
-    drafter = tree = None
-    transport = None
+    drafter = tree = transport = None
     if args.drafter_endpoint or args.treebuild_endpoint:
         from ddtree.engine.remote import connect_drafter, connect_treebuild, verify_transport
 
@@ -136,37 +149,19 @@ def serve(args, provider, log: logging.Logger) -> int:
             tree = connect_treebuild(args.treebuild_endpoint, transport, max_batch=config.scheduler.max_running,
                                      max_budget=config.budget.max_budget, max_top_k=config.max_top_k,
                                      draft_len=drafter.block_size - 1 if drafter else 32, wait_s=args.peer_wait_s)
-    server_box: list = []
 
     def on_fatal(exc: BaseException) -> None:  # the target failed: stop serving (a supervisor restarts us)
         log.error("engine failed (%s); stopping the verify service", exc)
-        if server_box:
-            server_box[0].set_serving(False)
-            threading.Thread(target=server_box[0].stop, daemon=True).start()
+        server.set_serving(False)
+        threading.Thread(target=server.stop, daemon=True).start()
 
     engine = build_local_engine(setup, config, target=target, drafter=drafter, tree=tree, on_fatal=on_fatal)
     block_size = engine.drafter.block_size if engine.drafter is not None else 0
     drafter_name = os.path.basename(os.path.normpath(args.drafter)) if args.drafter else ""
-
-    server = GrpcServer(ServerConfig(name="verify", host=args.host, port=args.port, tls_cert=args.tls_cert,
-                                     tls_key=args.tls_key), provider)
     server.add(generation_pb2_grpc.add_GenerationServicer_to_server,
                GenerationServicer(engine, drafter_name=drafter_name, block_size=block_size), "ddtree.v1.Generation")
-    server_box.append(server)
     port = server.start()
     engine.start()
-    exit_code = [0]
-    if supervisor is not None:
-        def on_rank_death(message: str) -> None:
-            # The engine may be blocked in a collective with the dead rank: never wait for it.
-            server.set_serving(False)
-            killer = threading.Timer(5.0, os._exit, args=(1,))
-            killer.daemon = True
-            killer.start()
-            server.stop(1.0)
-            log.error("verify stopped: %s", message)
-            os._exit(1)
-        supervisor.watch(on_rank_death)
     server.install_signal_handlers()  # in-flight streams get the grace period, then the engine stops
     server.set_serving(True)
     log.info("verify serving on %s:%d: target %s (tp %d), modes %s", args.host, port, target.name, target.tp_size,
@@ -174,16 +169,13 @@ def serve(args, provider, log: logging.Logger) -> int:
     print(f"verify listening on {args.host}:{port}", flush=True)
     server.wait()
     engine.stop()
-    if engine.fatal is not None:
-        exit_code[0] = exit_code[0] or 1
     for backend in (drafter, tree):
         if backend is not None and hasattr(backend, "close"):
             backend.close()
     if transport is not None:
         transport.close()
     if supervisor is not None:
-        if exit_code[0] == 0:
+        if engine.fatal is None:
             target.model.stop_followers()
         supervisor.stop()
-    return exit_code[0]
-
+    return 1 if engine.fatal is not None else 0
