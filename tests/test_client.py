@@ -275,3 +275,25 @@ def test_client_spans_only_when_the_environment_asks(scripted, tmp_path, monkeyp
     assert (span.service, span.name, span.kind) == ("ddtree-client", "ddtree.v1.Generation/Generate", "client")
     _, trace_id, span_id, _ = scripted.traceparents[-1].split("-")       # the server continues it
     assert (trace_id, span_id) == (span.trace_id, span.span_id)
+
+
+def test_loadtest_stops_promptly_on_ctrl_c(scripted):
+    import signal
+    import subprocess
+    import sys
+
+    # 8 requests of 3000 tokens at concurrency 2 would stream for ~20 s; Ctrl-C must end it now.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddtree_client.cli", "loadtest", "--target", scripted.target, "--concurrency", "2",
+         "--num-requests", "8", "--max-tokens", "3000", "--warmup", "0", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while scripted.in_flight < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scripted.in_flight == 2
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=15)
+    assert proc.returncode == 130 and "interrupted" in err
+    assert time.monotonic() - sent < 5
+    assert len(scripted.requests) == 2                      # nothing queued was sent after the interrupt

@@ -183,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("ddtree-client: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -128,13 +128,19 @@ class RequestRecord:
 def stream_generate(
     stub: generation_pb2_grpc.GenerationStub, request: generation_pb2.GenerateRequest, *,
     timeout_s: float | None = None, prompt_index: int = 0,
-    on_text: Callable[[str], None] | None = None,
+    on_text: Callable[[str], None] | None = None, on_call: Callable[[grpc.Call], None] | None = None,
 ) -> RequestRecord:
-    """Runs one Generate stream to its end; RPC errors are recorded, not raised."""
+    """Runs one Generate stream to its end; RPC errors are recorded, not raised.
+
+    `on_call` receives the call as soon as it starts (to cancel it from another thread).
+    """
     record = RequestRecord(prompt_index=prompt_index)
     record.start = time.perf_counter()
     try:
-        for chunk in stub.Generate(request, timeout=timeout_s):
+        call = stub.Generate(request, timeout=timeout_s)
+        if on_call is not None:
+            on_call(call)
+        for chunk in call:
             now = time.perf_counter()
             record.chunks.append(Chunk(now, len(chunk.token_ids), chunk.accepted_length))
             record.token_ids.extend(chunk.token_ids)

@@ -137,32 +137,52 @@ def run_level(stub: generation_pb2_grpc.GenerationStub, config: LoadTestConfig, 
     options = GenerateOptions(**{**asdict(config.options), "mode": mode})
     records: list[RequestRecord] = []
     lock = threading.Lock()
+    active: set = set()                        # calls in flight, cancelled on Ctrl-C
+    interrupted = threading.Event()
+
+    def track(call) -> None:
+        with lock:
+            active.add(call)
+        if interrupted.is_set():
+            call.cancel()
 
     def one(i: int) -> None:
+        if interrupted.is_set():
+            return
         opts = options if options.seed is None else GenerateOptions(**{**asdict(options), "seed": options.seed + i})
         request = build_request(config.prompts[i % len(config.prompts)], opts, request_id=f"loadtest-{mode}-c{concurrency}-{i}")
-        record = stream_generate(stub, request, timeout_s=config.timeout_s, prompt_index=i % len(config.prompts))
+        record = stream_generate(stub, request, timeout_s=config.timeout_s, prompt_index=i % len(config.prompts),
+                                 on_call=track)
         with lock:
             records.append(record)
+            active.difference_update([c for c in active if c.done()])
         if on_done is not None:
             on_done(record)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"loadtest-c{concurrency}") as pool:
-        if config.rate is None:
-            futures = [pool.submit(one, i) for i in range(n)]       # pool size = the closed loop's width
-        else:
-            rng = random.Random(seed)
-            futures = []
-            next_arrival = start
-            for i in range(n):
-                delay = next_arrival - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                futures.append(pool.submit(one, i))
-                next_arrival += rng.expovariate(config.rate)
-        for f in futures:
-            f.result()
+        try:
+            if config.rate is None:
+                futures = [pool.submit(one, i) for i in range(n)]       # pool size = the closed loop's width
+            else:
+                rng = random.Random(seed)
+                futures = []
+                next_arrival = start
+                for i in range(n):
+                    delay = next_arrival - time.perf_counter()
+                    if delay > 0:
+                        time.sleep(delay)
+                    futures.append(pool.submit(one, i))
+                    next_arrival += rng.expovariate(config.rate)
+            for f in futures:
+                f.result()
+        except KeyboardInterrupt:              # stop now: queued requests dropped, running ones cancelled
+            interrupted.set()
+            pool.shutdown(wait=False, cancel_futures=True)
+            with lock:
+                for call in active:
+                    call.cancel()
+            raise
     first_send = min((r.start for r in records), default=start)
     wall = max((r.end for r in records), default=start) - first_send
     return summarize_level(mode, concurrency, config.rate, records, wall), records
