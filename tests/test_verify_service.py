@@ -109,8 +109,9 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def verify(models, tmp_path_factory):
-    env = service_env({k: v for k, v in os.environ.items()
-                       if not k.startswith(("OTEL_EXPORTER", "DDTREE_TRACE_FILE"))} | {"PYTHONUNBUFFERED": "1"})
+    trace_file = tmp_path_factory.mktemp("traces") / "spans.jsonl"
+    env = service_env({k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER")}
+                      | {"PYTHONUNBUFFERED": "1", "DDTREE_TRACE_FILE": str(trace_file)})
     target, drafter = models
     svc = Service("verify", ["--target", str(target), "--drafter", str(drafter), "--port", "0",
                                          "--max-running", "1", "--max-queue", "1", "--max-tokens-limit", "4000",
@@ -120,6 +121,27 @@ def verify(models, tmp_path_factory):
     yield svc.wait_ready()
     svc.stop()
     assert svc.proc.returncode == 0, svc.log()
+    check_spans(trace_file)
+
+
+def check_spans(path: Path) -> None:
+    """The traces the tests above produced: request -> step -> components, under the RPC span."""
+    import json
+
+    spans = [sp for line in path.read_text().splitlines() for rs in json.loads(line)["resourceSpans"]
+             for ss in rs["scopeSpans"] for sp in ss["spans"]]
+    by_id = {sp["spanId"]: sp for sp in spans}
+    names = {sp["name"] for sp in spans}
+    assert {"ddtree.request", "ddtree.step", "ddtree.draft", "ddtree.tree_build", "ddtree.verify",
+            "ddtree.accept", "ddtree.commit"} <= names, names
+    for sp in spans:
+        parent = by_id.get(sp.get("parentSpanId", ""), {}).get("name")
+        if sp["name"] == "ddtree.request":
+            assert parent == "ddtree.v1.Generation/Generate"
+            keys = {a["key"] for a in sp["attributes"]}
+            assert {"gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens", "ddtree.request.mode_used"} <= keys
+        elif sp["name"] in ("ddtree.draft", "ddtree.verify", "ddtree.commit"):
+            assert parent == "ddtree.step"
 
 
 def generate(port, prompt, mode=pb.MODE_DDTREE, timeout=60, **sampling):
