@@ -88,6 +88,21 @@ def test_up_serves_degrades_restarts_and_stops(tmp_path, subprocess_env):
             assert tokens_of(chunks) == ar and chunks[-1].usage.mean_acceptance_length > 1.2
             assert not chunks[-1].degradation
 
+            # concurrent clients, mixed modes batched together by the engine
+            prompts = [[i % 30, (3 * i) % 30, 7] for i in range(6)]
+            modes = [pb.MODE_DDTREE, pb.MODE_CHAIN, pb.MODE_AR]
+            expected = [tokens_of(stream(stub, p, pb.MODE_AR, 24)) for p in prompts]
+            results = [None] * len(prompts)
+
+            def client(i):
+                results[i] = tokens_of(stream(stub, prompts[i], modes[i % 3], 24))
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert results == expected
+
             # the drafter dies in the middle of a generation
             it = stream(stub, prompt, pb.MODE_DDTREE, 150)
             got = [next(it), next(it)]
