@@ -93,6 +93,8 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
     dr = f"127.0.0.1:{free_port()}"
     services.append(("drafter", dr, ["--drafter", args.drafter, "--target", args.target, "--host", "127.0.0.1",
                                      "--port", dr.rsplit(":", 1)[1], "--device", sidecar_device]))
+    if args.port == 0:  # "any port": choose it here, so the endpoint printed and health-checked is the real one
+        args.port = free_port(args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1")
     verify = ["--target", args.target, "--drafter", args.drafter, "--drafter-endpoint", dr, "--host", args.host,
               "--port", str(args.port), "--tp", str(args.tp), "--device", device]
     if services[0][0] == "treebuild":
