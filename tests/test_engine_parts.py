@@ -176,6 +176,7 @@ def test_budget_shrinks_as_the_batch_grows():
     assert budgets == [256, 128, 64, 32, 16, 4, 4]
     assert all(a >= b for a, b in zip(budgets, budgets[1:]))
     assert policy.budget(64, requested=100) == 100 and policy.budget(1, requested=999) == 256
+    assert policy.budget(4, other_tokens=256) == 32  # chain/ar rows of the step take their tokens first
     assert policy.falls_back_to_ar(8, 1.1) and not policy.falls_back_to_ar(7, 1.0)
     assert not policy.falls_back_to_ar(20, 2.5)
     with pytest.raises(ValueError):

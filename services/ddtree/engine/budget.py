@@ -7,7 +7,8 @@ fixed number of verify tokens per step for the whole batch, `tokens_per_step`, a
 the B running requests `tokens_per_step / B - 1` nodes (the root is the extra token), rounded
 down to a power of two and clamped to [min_budget, max_budget]. The default 512 is where a
 Kimi-K2 TP8 MoE layer stops being memory-bound on H200 (benchmarks/results/h200/target_layer.txt
-measures it; set --tokens-per-step from that table on other hardware).
+measures it; set --tokens-per-step from that table on other hardware). Chain rows (block_size
+tokens each) and ar rows (1 token) of the same step are taken out of that amount first.
 
 When speculation does not pay (a request left to the server's choice of mode whose mean
 acceptance stays below `ar_below_acceptance` after `ar_after_steps` steps) the request falls
@@ -33,11 +34,12 @@ class BudgetPolicy:
         if self.tokens_per_step < 2:
             raise ValueError("tokens_per_step must be >= 2")
 
-    def budget(self, batch_size: int, requested: int = 0) -> int:
-        """Nodes (excluding the root) for one request of a batch of `batch_size` tree requests."""
+    def budget(self, batch_size: int, requested: int = 0, other_tokens: int = 0) -> int:
+        """Nodes (excluding the root) for one of `batch_size` ddtree requests of a step whose other
+        rows (chain: block_size tokens each, ar: 1) already take `other_tokens` verify tokens."""
         if requested > 0:
             return min(requested, self.max_budget)
-        share = max(1, self.tokens_per_step // max(batch_size, 1) - 1)
+        share = max(1, (self.tokens_per_step - other_tokens) // max(batch_size, 1) - 1)
         power = 1 << (share.bit_length() - 1)
         return max(self.min_budget, min(self.max_budget, power))
 

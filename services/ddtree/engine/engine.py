@@ -341,14 +341,16 @@ class Engine:
 
     def _apply_policy(self, batch: list[_Request]) -> None:
         policy = self.config.budget
-        tree_rows = [r for r in batch if r.mode is Mode.DDTREE]
         for r in batch:
             if r.server_choice and r.mode is not Mode.AR and r.steps and \
                     policy.falls_back_to_ar(r.steps, r.committed / r.steps):
                 log.info("request %s: mean acceptance %.2f after %d steps: speculation does not pay, ar",
                          r.id, r.committed / r.steps, r.steps)
                 self._to_ar(r)
-            r.budget = policy.budget(len(tree_rows), r.spec.budget) if r.mode is Mode.DDTREE else 0
+        tree_rows = sum(r.mode is Mode.DDTREE for r in batch)
+        other = sum(1 + self._draft_len() if r.mode is Mode.CHAIN else 1 for r in batch if r.mode is not Mode.DDTREE)
+        for r in batch:
+            r.budget = policy.budget(tree_rows, r.spec.budget, other) if r.mode is Mode.DDTREE else 0
 
     def _to_ar(self, req: _Request, reason: str = "") -> None:
         req.mode, req.new_features = Mode.AR, None
