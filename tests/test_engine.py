@@ -19,7 +19,7 @@ from test_engine_common import EOS, VOCAB, ar_reference, make_pair
 
 from ddtree.engine.backends import LocalDrafter, PeerUnavailable
 from ddtree.engine.budget import BudgetPolicy
-from ddtree.engine.engine import Chunk, EngineConfig, Usage
+from ddtree.engine.engine import Chunk, EngineConfig
 from ddtree.engine.loader import ModelSetup, build_local_engine
 from ddtree.engine.request import FinishReason, Mode, Overloaded, validate_request
 from ddtree.engine.scheduler import SchedulerConfig
