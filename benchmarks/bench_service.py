@@ -2,7 +2,7 @@
 
     python benchmarks/bench_service.py --target DIR --drafter DIR --out benchmarks/results/h200 \
         [--concurrency 1,4,10,32,64] [--modes ddtree,chain,ar] [--max-tokens 256] [--num-requests N]
-        [--prompts FILE] [--repeats 3] [--stack up|verify] [--up-arg=--device=cuda] [--verify-arg=--max-running=64 ...]
+        [--prompts FILE] [--repeats 3] [--detail spans|summary] [--stack up|verify] [--up-arg=--device=cuda] [--verify-arg=--max-running=64 ...]
 
 Two starts of the stack (`ddtree up` by default: verify + drafter + tree-build sidecar; or the
 verify service alone) on the same checkpoints, the same sweep on each:
@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--up-arg", action="append", default=[], help="extra `ddtree up` argument (repeatable)")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--repeats", type=int, default=1, help="alternating off/on runs; tracing_cost uses medians")
+    p.add_argument("--detail", choices=("spans", "summary"), default="spans",
+                   help="DDTREE_TRACE_DETAIL of the traced runs (default spans)")
     args = p.parse_args(argv)
     if args.stack == "up" and not args.drafter:
         p.error("--stack up needs --drafter")
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     trace_file.unlink(missing_ok=True)
     collector = OtlpCollector()
     tracing = {"off": {"OTEL_TRACES_SAMPLER": "always_off"},
-               "on": {"OTEL_TRACES_SAMPLER": "always_on", "DDTREE_TRACE_STEPS": "1",
+               "on": {"OTEL_TRACES_SAMPLER": "always_on", "DDTREE_TRACE_STEPS": "1", "DDTREE_TRACE_DETAIL": args.detail,
                       "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}",
                       "OTEL_EXPORTER_OTLP_INSECURE": "true"}}
     runs: dict[str, list] = {"off": [], "on": []}

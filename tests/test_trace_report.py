@@ -11,6 +11,7 @@ import json
 import random
 import sys
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 
@@ -363,6 +364,28 @@ def test_gpu_spans_take_their_times_from_the_anchor_and_event_offsets():
 
 
 @pytest.mark.cuda
+def test_gpu_timer_feeds_summary_steps(monkeypatch):
+    import torch
+
+    memory = InMemorySpanExporter()
+    tracer = S.get_tracer(_provider("ddtree-verify", memory))
+    monkeypatch.setenv(S.DETAIL_ENV, "summary")
+    timer = S.GpuTimer()
+    x = torch.randn(2048, 2048, device="cuda")
+    _ = x @ x
+    torch.cuda.synchronize()
+    with S.step_span(tracer, step_id=0, batch_size=1, mode="ar", budget=0):
+        with S.component_span(tracer, S.VERIFY), timer.region(S.VERIFY):
+            for _ in range(10):
+                x = x @ x / 45.0
+        totals = timer.flush(tracer)                      # inside the step: lands on it
+    (step,) = memory.get_finished_spans()
+    assert step.name == S.STEP                            # no GPU span in summary mode
+    assert step.attributes[S.summary_key(S.VERIFY, "gpu_ms")] == pytest.approx(totals[S.VERIFY])
+    assert 0 < totals[S.VERIFY] <= (step.end_time - step.start_time) / 1e6   # flushed inside the step
+
+
+@pytest.mark.cuda
 def test_gpu_timer_measures_device_time_with_cuda_events():
     import time
 
@@ -388,3 +411,80 @@ def test_gpu_timer_measures_device_time_with_cuda_events():
     # and it is the device's time, not the (much shorter) time spent launching.
     assert entered - 200_000 <= gpu.start_time < gpu.end_time <= flushed
     assert gpu.end_time - gpu.start_time > 2 * launch_ns
+
+
+# ---- summary detail: one span per step --------------------------------------------------------
+def test_summary_detail_makes_one_span_per_step_and_drops_rpc_spans(monkeypatch):
+    from ddtree.v1 import transport_pb2
+
+    memory = InMemorySpanExporter()
+    client_provider, server_provider = _provider("ddtree-verify", memory), _provider("ddtree-drafter", memory)
+    server, port = _echo_server(server_provider)
+    channel = grpc.intercept_channel(grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options()),
+                                     TracingClientInterceptor(client_provider))
+    tracer = S.get_tracer(client_provider)
+    monkeypatch.setenv(S.DETAIL_ENV, "summary")
+    try:
+        request = S.start_request_span(tracer, model="m", prompt_tokens=1, max_tokens=4, temperature=0.0)
+        with S.step_span(tracer, step_id=0, batch_size=1, mode="ddtree", budget=4, requests=[request]) as step:
+            for _ in range(2):                                   # a component twice in one step: totals
+                with S.component_span(tracer, S.DRAFT, backend="remote") as sp:
+                    assert channel.unary_unary("/test.Echo/Unary")(b"x", timeout=5) == b"x"
+                    S.record_server_timing(sp, transport_pb2.ServerTiming(server_ms=0.25, gpu_ms=0.125))
+            with S.component_span(tracer, S.VERIFY, backend="local"):
+                time.sleep(0.02)
+            S.end_step(step, tree_nodes=5, accepted_tokens=2)
+        S.end_request_span(request, completion_tokens=2, finish_reason="length", steps=1, target_forwards=2,
+                           mean_acceptance_length=2.0, mode_used="ddtree")
+    finally:
+        channel.close()
+        server.stop()
+    spans = memory.get_finished_spans()
+    assert sorted(s.name for s in spans) == [S.REQUEST, S.STEP]           # no component, client or server span
+    (st,) = [s for s in spans if s.name == S.STEP]
+    a = st.attributes
+    assert a[S.summary_key(S.DRAFT, "count")] == 2 and a[S.summary_key(S.VERIFY, "count")] == 1
+    assert a[S.summary_key(S.DRAFT, "server_ms")] == pytest.approx(0.5)
+    assert a[S.summary_key(S.DRAFT, "server_gpu_ms")] == pytest.approx(0.25)
+    assert a[S.summary_key(S.VERIFY, "wall_ms")] >= 20.0
+    walls = a[S.summary_key(S.DRAFT, "wall_ms")] + a[S.summary_key(S.VERIFY, "wall_ms")]
+    assert walls <= (st.end_time - st.start_time) / 1e6
+    assert a[S.STEP_TREE_NODES] == 5
+    monkeypatch.setenv(S.DETAIL_ENV, "verbose")
+    with pytest.raises(ValueError, match="DDTREE_TRACE_DETAIL must be 'spans' or 'summary'"):
+        S.trace_detail()
+
+
+def test_report_reads_summary_steps(tmp_path):
+    path = tmp_path / "summary.jsonl"
+    provider = _provider("ddtree-verify", OtlpJsonFileExporter(str(path)))
+    tracer = S.get_tracer(provider)
+    rng = random.Random(5)
+    t = 1_700_000_000_000_000 * US
+    truth = []
+    for i in range(10):
+        draft, verify, server = rng.randint(500, 900), rng.randint(1000, 4000), rng.randint(100, 400)
+        server_gpu, gpu = rng.randint(10, 90), rng.randint(100, 900)
+        wall = draft + verify + rng.randint(10, 100)
+        span = tracer.start_span(S.STEP, start_time=t, attributes={
+            S.STEP_BATCH_SIZE: 2, S.summary_key(S.DRAFT, "wall_ms"): draft / 1000,
+            S.summary_key(S.DRAFT, "count"): 1, S.summary_key(S.DRAFT, "server_ms"): server / 1000,
+            S.summary_key(S.DRAFT, "server_gpu_ms"): server_gpu / 1000,
+            S.summary_key(S.VERIFY, "wall_ms"): verify / 1000, S.summary_key(S.VERIFY, "count"): 1,
+            S.summary_key(S.VERIFY, "gpu_ms"): gpu / 1000})
+        span.end(end_time=t + wall * US)
+        truth.append((wall, draft, verify, server, server_gpu, gpu))
+        t += (wall + 50) * US
+    provider.shutdown()
+    (rep,) = R.summarize(R.step_breakdowns(R.load_otlp_file(str(path))))
+    rows = {r.component: r for r in rep.rows}
+    total = sum(w for w, *_ in truth)
+    draft = rows[S.DRAFT]
+    assert draft.mean_ms == pytest.approx(np.mean([d for _, d, *_ in truth]) / 1000)
+    assert draft.transport_ms == pytest.approx(np.mean([d - sv for _, d, _, sv, *_ in truth]) / 1000)
+    assert draft.gpu_ms == pytest.approx(np.mean([g for *_, g, _ in truth]) / 1000)
+    assert draft.host_ms == pytest.approx(np.mean([sv - g for _, _, _, sv, g, _ in truth]) / 1000)
+    verify = rows[S.VERIFY]
+    assert verify.gpu_ms == pytest.approx(np.mean([g for *_, g in truth]) / 1000) and verify.transport_ms == 0.0
+    assert verify.share == pytest.approx(sum(v for _, _, v, *_ in truth) / total)
+    assert rows[R.OTHER].mean_ms == pytest.approx(np.mean([w - d - v for w, d, v, *_ in truth]) / 1000)

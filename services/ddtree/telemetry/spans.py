@@ -18,12 +18,16 @@ the device, anchored on that host time: never from CPU clocks around asynchronou
 Cost control: a span costs ~10-20 us in Python, so per-step spans obey DDTREE_TRACE_STEPS
 (0 = none, 1 = every step, N = every N-th step); a step left out runs under a non-sampled
 context, so the RPC spans below it (client and, through the traceparent flags, server) are
-dropped too by the SDK's default parent-based sampler. Request spans follow OTEL_TRACES_SAMPLER.
-Only tensor-parallel rank 0 emits spans: `get_tracer(rank=...)` hands other ranks a no-op tracer.
+dropped too by the SDK's default parent-based sampler. DDTREE_TRACE_DETAIL=summary keeps every
+step but as ONE span: components are timed on the host and written as step attributes
+(`ddtree.<component>.wall_ms`, `.count`, `.server_ms`, `.server_gpu_ms`, `.gpu_ms`), and the RPCs
+inside them run unsampled. Request spans follow OTEL_TRACES_SAMPLER. Only tensor-parallel rank 0
+emits spans: `get_tracer(rank=...)` hands other ranks a no-op tracer.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import random
 import time
@@ -91,6 +95,14 @@ SERVER_GPU_MS = "ddtree.rpc.gpu_ms"                      # ServerTiming.gpu_ms o
 GPU = "ddtree.gpu"                                       # True on spans timed by CUDA events
 
 STEPS_ENV = "DDTREE_TRACE_STEPS"
+DETAIL_ENV = "DDTREE_TRACE_DETAIL"
+DETAIL_SPANS, DETAIL_SUMMARY = "spans", "summary"
+SUMMARY_FIELDS = ("wall_ms", "count", "server_ms", "server_gpu_ms", "gpu_ms")
+
+
+def summary_key(component: str, field: str) -> str:
+    """Step attribute of a summary-mode component total: ("verify", "wall_ms") -> "ddtree.verify.wall_ms"."""
+    return f"ddtree.{component}.{field}"
 
 
 def get_tracer(provider: trace.TracerProvider | None = None, *, rank: int = 0) -> trace.Tracer:
@@ -110,6 +122,14 @@ def step_detail_every() -> int:
     if every < 0:
         raise ValueError(f"{STEPS_ENV} must be a non-negative integer, got {raw!r}")
     return every
+
+
+def trace_detail() -> str:
+    """DDTREE_TRACE_DETAIL: "spans" (default: a span per component) or "summary" (step attributes)."""
+    raw = os.environ.get(DETAIL_ENV, DETAIL_SPANS).strip().lower() or DETAIL_SPANS
+    if raw not in (DETAIL_SPANS, DETAIL_SUMMARY):
+        raise ValueError(f"{DETAIL_ENV} must be {DETAIL_SPANS!r} or {DETAIL_SUMMARY!r}, got {raw!r}")
+    return raw
 
 
 def detail_enabled(step_id: int, every: int | None = None) -> bool:
@@ -184,7 +204,17 @@ def step_span(
     links = [Link(c) for c in contexts if c.trace_flags.sampled and c is not parent]
     ctx = trace.set_span_in_context(NonRecordingSpan(parent)) if parent is not None else None
     with tracer.start_as_current_span(STEP, context=ctx, links=links, attributes=attrs) as span:
-        yield span
+        if trace_detail() != DETAIL_SUMMARY:
+            yield span
+            return
+        summary = _StepSummary()
+        token = _SUMMARY.set(summary)
+        try:
+            yield span
+        finally:
+            _SUMMARY.reset(token)
+            summary.open = False
+            span.set_attributes(summary.attributes())
 
 
 def end_step(span: Span, *, tree_nodes: int, accepted_tokens: int) -> None:
@@ -201,6 +231,18 @@ def component_span(tracer: trace.Tracer, component: str, *, backend: str = "", *
     """
     if component not in COMPONENTS:
         raise ValueError(f"unknown component {component!r}; expected one of {COMPONENTS}")
+    summary = _SUMMARY.get()
+    if summary is not None and summary.open:
+        # Summary mode: host-timed, totals on the step; the block (and its RPCs) runs unsampled.
+        proxy = _SummaryComponent(summary, component, trace.get_current_span().get_span_context())
+        start = time.perf_counter_ns()
+        try:
+            with trace.use_span(proxy, end_on_exit=False):
+                yield proxy
+        finally:
+            summary.add(component, "wall_ms", (time.perf_counter_ns() - start) / 1e6)
+            summary.add(component, "count", 1)
+        return
     if not trace.get_current_span().is_recording():
         yield trace.get_current_span()
         return
@@ -280,13 +322,14 @@ class GpuTimer:
 
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         parent = trace.get_current_span().get_span_context()
+        summary = _SUMMARY.get()
         start.record(torch.cuda.current_stream(self.device))
         try:
             yield
         finally:
             end.record(torch.cuda.current_stream(self.device))
             self._open.append((component, start, end, parent if parent.is_valid else None,
-                               tuple(sorted(attrs.items()))))
+                               tuple(sorted(attrs.items())), summary))
 
     def flush(self, tracer: trace.Tracer | None = None) -> dict[str, float]:
         """Waits for the recorded regions, emits their GPU spans, returns device ms per component."""
@@ -299,17 +342,60 @@ class GpuTimer:
         anchor.synchronize()
         anchor_ns = time.time_ns()
         intervals = [GpuInterval(comp, parent, start.elapsed_time(anchor), end.elapsed_time(anchor), attrs)
-                     for comp, start, end, parent, attrs in self._open]
+                     for comp, start, end, parent, attrs, _ in self._open]
+        summaries = [summary for *_, summary in self._open]
         self._open.clear()
         if tracer is not None:
             emit_gpu_spans(tracer, anchor_ns, intervals)
         totals: dict[str, float] = {}
-        for iv in intervals:
+        for iv, summary in zip(intervals, summaries):
             totals[iv.component] = totals.get(iv.component, 0.0) + iv.duration_ms
+            if summary is not None and summary.open:       # summary mode, step still running
+                summary.add(iv.component, "gpu_ms", iv.duration_ms)
         return totals
 
 
 # ---- internals --------------------------------------------------------------------------------
+class _StepSummary:
+    """Per-component totals of one summary-mode step, written on the step span as it ends."""
+
+    def __init__(self):
+        self.open = True
+        self.totals: dict[str, dict[str, float]] = {}
+
+    def add(self, component: str, field: str, value: float) -> None:
+        fields = self.totals.setdefault(component, {})
+        fields[field] = fields.get(field, 0) + value
+
+    def attributes(self) -> dict[str, float]:
+        return {summary_key(c, f): v for c, fields in self.totals.items() for f, v in fields.items()}
+
+
+_SUMMARY: contextvars.ContextVar[_StepSummary | None] = contextvars.ContextVar("ddtree_step_summary", default=None)
+
+
+class _SummaryComponent(NonRecordingSpan):
+    """What `component_span` yields in summary mode: a non-sampled span (RPCs below it are not
+    traced) whose ServerTiming attributes go to the step's totals; other writes are dropped."""
+
+    _FIELDS = {SERVER_MS: "server_ms", SERVER_GPU_MS: "server_gpu_ms"}
+
+    def __init__(self, summary: _StepSummary, component: str, like: SpanContext):
+        super().__init__(_unsampled_span(like if like.is_valid else None).get_span_context())
+        self._summary, self._component = summary, component
+
+    def is_recording(self) -> bool:
+        return True
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        if key in self._FIELDS:
+            self._summary.add(self._component, self._FIELDS[key], float(value))
+
+    def set_attributes(self, attributes: dict) -> None:
+        for key, value in attributes.items():
+            self.set_attribute(key, value)
+
+
 def _context_of(parent: Span | SpanContext | None):
     if parent is None:
         return None

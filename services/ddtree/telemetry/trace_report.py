@@ -227,6 +227,29 @@ def _attribute(span: SpanRecord, children: dict) -> dict[str, float]:
     return {"wall": wall, "gpu": gpu, "transport": transport, "host": max(0.0, wall - gpu - transport)}
 
 
+_SUMMARY_WALL = re.compile(r"^ddtree\.(\w+)\.wall_ms$")
+
+
+def _summary_components(step: SpanRecord) -> dict[str, dict[str, float]]:
+    """Components of a DDTREE_TRACE_DETAIL=summary step, from its attributes: gpu from the
+    events (else the servers' gpu_ms), transport = wall - server_ms (this includes the caller's
+    own work around the RPC, which span mode counts as host)."""
+    comps = {}
+    for key, value in step.attributes.items():
+        match = _SUMMARY_WALL.match(key)
+        if not match:
+            continue
+        name = match.group(1)
+        get = lambda field: float(step.attributes.get(S.summary_key(name, field), 0.0))  # noqa: E731
+        wall = float(value)
+        gpu = get("gpu_ms") or get("server_gpu_ms")
+        has_server = S.summary_key(name, "server_ms") in step.attributes
+        transport = max(0.0, wall - get("server_ms")) if has_server else 0.0
+        comps[name] = {"wall": wall, "gpu": gpu, "transport": transport,
+                       "host": max(0.0, wall - gpu - transport), "count": int(get("count"))}
+    return comps
+
+
 # Step grouping keys: a step attribute, or "level": the tag of the step's parent request (its
 # ddtree.request.id without a trailing "-<n>", e.g. "loadtest-ddtree-c4" for the load test's
 # requests), which separates the levels of a load-test sweep whatever batch sizes they made.
@@ -269,6 +292,8 @@ def step_breakdowns(spans: Sequence[SpanRecord], group_by: Sequence[str] = ("bat
             for key, value in _attribute(child, children).items():
                 acc[key] += value
             acc["count"] += 1
+        if not comps:
+            comps = _summary_components(step)
         group = _group_of(step, group_by, unique)
         out.append(StepBreakdown(step.trace_id, step.span_id, group, step.duration_ms, comps))
     return out
