@@ -191,6 +191,7 @@ def step_span(
     When the detail switch leaves this step out, the block runs under a non-sampled context
     (so RPC spans below are dropped too) and the yielded span is non-recording: callers may
     set attributes on it unconditionally. Set tree nodes / accepted tokens with `end_step`.
+    With DDTREE_TRACE_DETAIL=summary the components' totals become this span's attributes.
     """
     contexts = [r.get_span_context() if isinstance(r, Span) else r for r in requests]
     contexts = [c for c in contexts if c is not None and c.is_valid]
