@@ -196,9 +196,10 @@ class CheckpointIndex:
             weight_map = _read_json(index, "index").get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"index {index} has no weight_map")
-            shards: dict[Path, list[str]] = defaultdict(list)
+            by_name: dict[str, list[str]] = defaultdict(list)
             for key, file in weight_map.items():
-                shards[self.root / file].append(key)
+                by_name[file].append(key)
+            shards = {self.root / file: keys for file, keys in by_name.items()}
             absent = sorted(str(f.name) for f in shards if not f.is_file())
             if absent:
                 raise CheckpointError(f"index {index} names shard files that do not exist:\n" + _listing("missing files", absent))
