@@ -198,6 +198,20 @@ def test_yielded_tensors_own_their_memory(tmp_path):
     assert torch.equal(got, w)
 
 
+@pytest.mark.cuda
+def test_dequantization_on_the_gpu_equals_the_reference(tmp_path):
+    """device="cuda": raw parts move to the GPU and are dequantized there, bit for bit the same."""
+    torch.manual_seed(8)
+    w = torch.randn(300, 200)
+    write_checkpoint(tmp_path / "fp8", {"model.safetensors": fp8_parts("a", w)}, FP8_CONFIG)
+    write_checkpoint(tmp_path / "int4", {"model.safetensors": int4_parts("b", w)}, INT4_CONFIG)
+    for sub in ("fp8", "int4"):
+        for dtype in (torch.float32, torch.bfloat16):
+            (name, gpu), = iter_checkpoint(tmp_path / sub, dtype=dtype, device="cuda")
+            (_, cpu), = iter_checkpoint(tmp_path / sub, dtype=dtype)
+            assert gpu.device.type == "cuda" and torch.equal(gpu.cpu(), cpu), (sub, dtype)
+
+
 # -- layout: shards, prefixes, subsets ------------------------------------------------------------
 
 
