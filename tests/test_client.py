@@ -132,6 +132,8 @@ def test_build_request_and_bad_options():
         LoadTestConfig(concurrency=(0,))
     with pytest.raises(ValueError, match="rate must be a positive"):
         LoadTestConfig(rate=0.0)
+    with pytest.raises(ValueError, match="tag must be a non-empty word"):
+        LoadTestConfig(tag="two words")
 
 
 def test_generate_streams_text_to_stdout_and_stats_to_stderr(scripted, capsys):
@@ -187,7 +189,7 @@ class socket_closed_port:
 def test_loadtest_sweep_table_json_csv(scripted, tmp_path, capsys):
     json_path, csv_path = tmp_path / "lt.json", tmp_path / "lt.csv"
     rc = cli.main(["loadtest", "--target", scripted.target, "--concurrency", "1,4", "--mode", "ddtree,ar",
-                   "--num-requests", "8", "--max-tokens", "12", "--warmup", "0", "--no-progress",
+                   "--num-requests", "8", "--max-tokens", "12", "--warmup", "0", "--no-progress", "--tag", "sweep",
                    "--json", str(json_path), "--csv", str(csv_path)])
     out = capsys.readouterr().out
     assert rc == 0
@@ -207,6 +209,8 @@ def test_loadtest_sweep_table_json_csv(scripted, tmp_path, capsys):
         assert lat["ttft"]["p50"] <= lat["ttft"]["p90"] <= lat["ttft"]["p99"] <= lat["e2e"]["p99"]
         assert lat["itl"]["mean"] <= lat["inter_chunk"]["mean"] + 1e-9
     assert scripted.max_in_flight == 4                                                  # the closed loop's width
+    ids = {r.client_request_id for r in scripted.requests}
+    assert ids == {f"sweep-{m}-c{c}-{i}" for m in ("ddtree", "ar") for c in (1, 4) for i in range(8)}
     rows = list(csv.DictReader(csv_path.open()))
     assert [int(r["tokens"]) for r in rows] == [96] * 4
     assert "agg_tok/s" in out and "acceptance length histogram" in out and "inter_chunk" in out

@@ -125,7 +125,7 @@ def test_loadtest_at_concurrency_1_and_4_is_consistent(stack, tmp_path, capsys):
 
     # Per request, the client's count and timings agree with the server's usage.
     config = LoadTestConfig(target=stack["target"], concurrency=(4,), num_requests=8, prompts=tuple(PROMPTS),
-                            options=GenerateOptions(max_tokens=MAX_TOKENS, ignore_eos=True))
+                            options=GenerateOptions(max_tokens=MAX_TOKENS, ignore_eos=True), tag="check")
     with grpc.insecure_channel(stack["target"], options=channel_options()) as channel:
         result, records = run_level(generation_pb2_grpc.GenerationStub(channel), config, "ddtree", 4)
     for rec in records:

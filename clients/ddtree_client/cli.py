@@ -119,7 +119,7 @@ def run_loadtest(args: argparse.Namespace) -> int:
         config = LoadTestConfig(
             target=args.target, concurrency=args.concurrency, modes=args.mode, rate=args.rate,
             num_requests=args.num_requests, options=_options(args, args.mode[0]), prompts=prompts,
-            warmup=args.warmup, timeout_s=args.timeout, tls_ca=args.tls_ca)
+            warmup=args.warmup, timeout_s=args.timeout, tls_ca=args.tls_ca, tag=args.tag)
         results = run_sweep(config, progress=not args.no_progress)
     except (ValueError, ConnectionError) as exc:
         print(f"ddtree-client loadtest: {exc}", file=sys.stderr)
@@ -170,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help='prompts, one per line, or JSON lines with "prompt" or "token_ids" (default: the built-in set)')
     p.add_argument("--warmup", type=int, default=1, help="uncounted requests before the sweep (default 1)")
+    p.add_argument("--tag", default="loadtest",
+                   help="request ids are TAG-<mode>-c<conc>-<i> (trace-report --group-by level uses them)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every level as JSON")
     p.add_argument("--csv", default=None, metavar="FILE", help="write one CSV row per level")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -45,6 +45,7 @@ class LoadTestConfig:
     options: GenerateOptions = GenerateOptions()
     prompts: tuple[Prompt, ...] = BUILTIN_PROMPTS
     warmup: int = 0                           # requests sent one by one before the sweep, not counted
+    tag: str = "loadtest"                     # request ids are <tag>-<mode>-c<conc>-<i>
     timeout_s: float = 600.0
     tls_ca: str | None = None
 
@@ -57,6 +58,8 @@ class LoadTestConfig:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if not self.prompts:
             raise ValueError("the prompt set is empty")
+        if not self.tag or any(ch.isspace() for ch in self.tag):
+            raise ValueError(f"tag must be a non-empty word, got {self.tag!r}")
         for mode in self.modes:
             GenerateOptions(mode=mode)        # validates the name
 
@@ -150,7 +153,7 @@ def run_level(stub: generation_pb2_grpc.GenerationStub, config: LoadTestConfig, 
         if interrupted.is_set():
             return
         opts = options if options.seed is None else GenerateOptions(**{**asdict(options), "seed": options.seed + i})
-        request = build_request(config.prompts[i % len(config.prompts)], opts, request_id=f"loadtest-{mode}-c{concurrency}-{i}")
+        request = build_request(config.prompts[i % len(config.prompts)], opts, request_id=f"{config.tag}-{mode}-c{concurrency}-{i}")
         record = stream_generate(stub, request, timeout_s=config.timeout_s, prompt_index=i % len(config.prompts),
                                  on_call=track)
         with lock:
