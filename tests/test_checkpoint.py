@@ -500,6 +500,15 @@ def test_error_int4_problems(tmp_path):
     assert "INT4 pack-quantized tensors but config.json has no compressed-tensors quantization_config" in _error(tmp_path)
 
 
+def test_error_many_problems_are_truncated(tmp_path):
+    q, _ = quant.quantize_fp8_block(torch.randn(4, 4))
+    write_checkpoint(tmp_path, {"model.safetensors": {f"layers.{i}.weight": q for i in range(25)}})
+    lines = _error(tmp_path).splitlines()
+    assert lines[1] == "  layers.0.weight: FP8 weight layers.0.weight has no weight_scale_inv"
+    assert lines[20] == "  layers.19.weight: FP8 weight layers.19.weight has no weight_scale_inv"
+    assert lines[21:] == ["  ... and 5 more problems"]
+
+
 def test_error_unsupported_quantization_parts(tmp_path):
     p = int4_parts("a", torch.randn(4, 32))
     p["a.weight_zero_point"] = torch.zeros(4, 1, dtype=torch.int32)

@@ -182,7 +182,8 @@ class CheckpointIndex:
         parts = self._read_headers(path, problems)
         self._entries = self._merge_parts(parts, problems)
         if problems:
-            raise CheckpointError(f"checkpoint {self.root} cannot be loaded:\n" + "\n".join(problems))
+            more = [f"  ... and {len(problems) - _LISTED} more problems"] if len(problems) > _LISTED else []
+            raise CheckpointError(f"checkpoint {self.root} cannot be loaded:\n" + "\n".join(problems[:_LISTED] + more))
         self.files = tuple(sorted({e.file for e in self._entries.values()}))
 
     # -- reading ---------------------------------------------------------------------------------
@@ -253,7 +254,7 @@ class CheckpointIndex:
             else:
                 bad_dtype.append(f"{key} ({part.dtype})")
         int4_shapes = self._read_int4_shapes(modules, problems)
-        for module, leaves in modules.items():
+        for module, leaves in sorted(modules.items(), key=lambda kv: _natural_key(kv[0])):
             entry = self._weight_entry(module + ".weight", leaves, int4_shapes.get(module), problems, bad_dtype)
             if entry is not None:
                 entries[entry.name] = entry
@@ -280,7 +281,15 @@ class CheckpointIndex:
                     shapes[module] = (int(value[0]), int(value[1]))
         return shapes
 
-    def _weight_entry(self, name, leaves, int4_shape, problems, bad_dtype) -> _Entry | None:
+    def _weight_entry(
+        self,
+        name: str,
+        leaves: dict[str, _Part],
+        int4_shape: tuple[int, int] | None,
+        problems: list[str],
+        bad_dtype: list[str],
+    ) -> _Entry | None:
+        """The logical ``<module>.weight`` made of ``leaves``, or None after noting the problem."""
         has = set(leaves)
         where = ", ".join(sorted(p.key for p in leaves.values()))
         if "weight_packed" in has:
