@@ -414,29 +414,37 @@ class Engine:
                     r.new_features = None
         parts: dict[int, TreeBatch] = {}
         try:
-            self._build_rows(step_id, spec_rows, top_lp, top_ids, parts)
+            whole = self._build_rows(step_id, spec_rows, top_lp, top_ids, parts)
         except ValueError as exc:  # e.g. NaN log-probs from the drafter: this step verifies roots only
             log.error("tree build failed for step %d: %s; verifying the roots only", step_id, exc)
             parts.clear()
+            whole = None
+        if whole is not None and len(spec_rows) == len(batch):  # one build, batch order: the usual case
+            return whole
         rows = [parts.get(id(r)) or TreeBatch.roots_only(1) for r in batch]
         return concat_trees(rows)
 
-    def _build_rows(self, step_id, spec_rows, top_lp, top_ids, parts) -> None:
+    def _build_rows(self, step_id, spec_rows, top_lp, top_ids, parts) -> TreeBatch | None:
+        """Builds per mode into `parts` (row id -> tree); returns the build when one covered all rows."""
+        whole = None
         if spec_rows:
             with S.component_span(self.tracer, S.TREE_BUILD, backend=self._tree_name()) as span:
                 for mode in (Mode.DDTREE, Mode.CHAIN):
                     rows = [i for i, r in enumerate(spec_rows) if r.mode is mode]
                     if not rows:
                         continue
-                    idx = torch.tensor(rows)
+                    idx = slice(None) if len(rows) == len(spec_rows) else torch.tensor(rows)
                     if mode is Mode.CHAIN:  # one DFlash path: K = 1, every draft position
                         lp, ids, budget = top_lp[idx, :, :1], top_ids[idx, :, :1], self._draft_len()
                     else:
                         lp, ids, budget = top_lp[idx], top_ids[idx], [spec_rows[i].budget for i in rows]
                     built = self._build(step_id, lp.contiguous(), ids.contiguous(), budget)
                     S.record_server_timing(span, getattr(self.tree, "last_timing", None))
+                    if len(rows) == len(spec_rows):
+                        whole = built
                     for j, i in enumerate(rows):
                         parts[id(spec_rows[i])] = _row(built, j)
+        return whole
 
     def _tree_name(self) -> str:
         return "local" if self.tree is None or "treebuild" in self._down else self.tree.name
