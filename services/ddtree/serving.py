@@ -128,3 +128,17 @@ class GrpcServer:
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until stop() completed; True if it did within the timeout."""
         return self._stopped.wait(timeout)
+
+
+def serve_until_stopped(server: GrpcServer, *, on_stop: Callable[[], None] | None = None, **log_extra: Any) -> int:
+    """Starts `server`, marks it SERVING, prints "<name> listening on HOST:PORT" (what launchers
+    and tests wait for), and blocks until SIGTERM/SIGINT stopped it. Call from the main thread
+    once the component is ready. Returns the process exit code (0)."""
+    name, host = server.config.name, server.config.host
+    port = server.start()
+    server.set_serving(True)
+    print(f"{name} listening on {host}:{port}", flush=True)
+    log.info("%s serving", name, extra={"port": port, **log_extra})
+    server.install_signal_handlers(on_stop=on_stop)
+    server.wait()
+    return 0

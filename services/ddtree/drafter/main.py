@@ -3,12 +3,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 
-from ddtree.serving import GrpcServer, ServerConfig
-
-log = logging.getLogger("ddtree.drafter")
+from ddtree.serving import GrpcServer, ServerConfig, serve_until_stopped
 
 
 def add_serve_parser(serve_subparsers) -> argparse.ArgumentParser:
@@ -82,11 +79,5 @@ def run(args: argparse.Namespace) -> int:
 
     setup_logging("drafter")
     provider = setup_tracing("ddtree-drafter")
-    server, servicer, transport = build_server(args, provider)
-    port = server.start()
-    server.set_serving(True)  # weights loaded, transport proven
-    print(f"drafter listening on {args.host}:{port}", flush=True)
-    log.info("drafter serving", extra={"port": port, "block_size": servicer.model.config.block_size})
-    server.install_signal_handlers(on_stop=transport.close)
-    server.wait()
-    return 0
+    server, servicer, transport = build_server(args, provider)  # weights loaded, transport proven
+    return serve_until_stopped(server, on_stop=transport.close, block_size=servicer.model.config.block_size)

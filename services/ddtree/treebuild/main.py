@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
-
-log = logging.getLogger("ddtree.treebuild")
 
 
 def add_serve_parser(serve_subparsers) -> argparse.ArgumentParser:
@@ -60,15 +57,10 @@ def build_server(args: argparse.Namespace, tracer_provider=None):
 
 def run(args: argparse.Namespace) -> int:
     from ddtree.logs import setup_logging
+    from ddtree.serving import serve_until_stopped
     from ddtree.telemetry import setup_tracing
 
     setup_logging("treebuild")
     provider = setup_tracing("ddtree-treebuild")
-    server, servicer, transport = build_server(args, provider)
-    port = server.start()
-    server.set_serving(True)  # transport proven, kernels loaded
-    print(f"treebuild listening on {args.host}:{port}", flush=True)
-    log.info("treebuild serving", extra={"port": port, "backend": servicer.backend})
-    server.install_signal_handlers(on_stop=transport.close)
-    server.wait()
-    return 0
+    server, servicer, transport = build_server(args, provider)  # transport proven, kernels loaded
+    return serve_until_stopped(server, on_stop=transport.close, backend=servicer.backend)
