@@ -157,9 +157,17 @@ def test_traced_generation_links_across_processes(stack, tmp_path):
     (client,) = memory.get_finished_spans()
     client_trace, client_span = f"{client.context.trace_id:032x}", f"{client.context.span_id:016x}"
 
+    # The drafter always serves Draft; the tree-build sidecar serves Build/Accept when `ddtree up`
+    # started one. Each process exports on its own schedule: wait for all of them.
+    remote = {S.DRAFT: "ddtree.v1.Drafter/Draft"}
+    if service_available("treebuild"):
+        remote.update({S.TREE_BUILD: "ddtree.v1.TreeBuilder/Build", S.ACCEPT: "ddtree.v1.TreeBuilder/Accept"})
+
     def done(spans):
         mine = [s for s in spans if s["trace_id"] == client_trace]
-        return any(s["name"] == S.REQUEST for s in mine) and sum(s["name"] == S.STEP for s in mine) >= record.usage.steps
+        return (any(s["name"] == S.REQUEST for s in mine) and sum(s["name"] == S.STEP for s in mine) >= record.usage.steps
+                and all(sum(s["name"] == rpc and s["kind"] == SERVER for s in mine) >= record.usage.steps
+                        for rpc in remote.values()))
     spans = [s for s in stack["receiver"].wait_for(done, timeout=20) if s["trace_id"] == client_trace]
     by_id = {s["span_id"]: s for s in spans}
     (server,) = [s for s in spans if s["name"] == "ddtree.v1.Generation/Generate"]
@@ -176,11 +184,7 @@ def test_traced_generation_links_across_processes(stack, tmp_path):
     steps = [s for s in spans if s["name"] == S.STEP]
     assert len(steps) == record.usage.steps and all(s["parent_span_id"] == req["span_id"] for s in steps)
     assert sum(s["attributes"][S.STEP_ACCEPTED_TOKENS].int_value for s in steps) == sum(record.accepted_lengths)
-    # Each remote component's CLIENT span has its SERVER span in the peer process as a child:
-    # the drafter always; the tree-build sidecar's Build/Accept when `ddtree up` started one.
-    remote = {S.DRAFT: "ddtree.v1.Drafter/Draft"}
-    if service_available("treebuild"):
-        remote.update({S.TREE_BUILD: "ddtree.v1.TreeBuilder/Build", S.ACCEPT: "ddtree.v1.TreeBuilder/Accept"})
+    # Each remote component's CLIENT span has its SERVER span in the peer process as a child.
     for step in steps:
         for comp, rpc in remote.items():
             (comp_span,) = [s for s in spans if s["parent_span_id"] == step["span_id"]
