@@ -1,7 +1,8 @@
 """Absorbed MLA attention over a paged latent KV cache with a tree (ancestor-bitmask) tail.
 
-This is the torch reference; a Hopper kernel can replace `mla_verify_attention` as long as it
-keeps the signature. Scores and softmax are computed in float32.
+`mla_verify_attention` runs the Triton kernel (ddtree.kernels) on CUDA for the shapes it
+supports and `mla_verify_attention_reference` otherwise. The reference computes scores and
+softmax in float32 (float64 for float64 inputs, which the kernel tests use).
 
 Bitmask format (the tree issue's): words [B, T, ceil(T / 64)] uint64 (int64 accepted: same
 bits); bit j of row i set iff tail token j is visible from tail token i (i itself or one of its
@@ -51,7 +52,19 @@ def gather_cache_rows(cache: torch.Tensor, block_table: torch.Tensor, length: in
     return cache[pages, (pos % page_size).expand_as(pages)]
 
 
-def mla_verify_attention(
+def mla_verify_attention(q_latent, q_rope, cache, block_table, prefix_lens, mask, softmax_scale):
+    """Dispatcher with the reference's contract (below): the Triton kernel where it applies."""
+    if q_latent.is_cuda:
+        from ..kernels.dispatch import triton_verify_supported
+        if triton_verify_supported(q_latent, q_rope, cache):
+            from ..kernels.mla_verify_triton import mla_verify_attention_triton
+            return mla_verify_attention_triton(q_latent, q_rope, cache, block_table, prefix_lens, mask,
+                                               softmax_scale)
+    return mla_verify_attention_reference(q_latent, q_rope, cache, block_table, prefix_lens, mask,
+                                          softmax_scale)
+
+
+def mla_verify_attention_reference(
     q_latent: torch.Tensor,
     q_rope: torch.Tensor,
     cache: torch.Tensor,
@@ -77,9 +90,10 @@ def mla_verify_attention(
         raise ValueError(f"cache rows are {cache.shape[-1]} wide; queries need {c} + {q_rope.shape[-1]}")
     prefix = prefix_lens.to(device=cache.device, dtype=torch.int64)
     length = int(prefix.max()) + t if b else t
-    kv = gather_cache_rows(cache, block_table, length).float()  # [B, L, C + R]
+    acc = torch.float64 if q_latent.dtype == torch.float64 else torch.float32
+    kv = gather_cache_rows(cache, block_table, length).to(acc)  # [B, L, C + R]
 
-    q = torch.cat([q_latent, q_rope], dim=-1).float().view(b, t, heads, -1)
+    q = torch.cat([q_latent, q_rope], dim=-1).to(acc).view(b, t, heads, -1)
     scores = torch.einsum("bthd,bld->bthl", q, kv) * softmax_scale
 
     col = torch.arange(length, device=cache.device)
@@ -91,6 +105,6 @@ def mla_verify_attention(
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
 
     lse = torch.logsumexp(scores, dim=-1)  # [B, T, h]
-    probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
+    probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(acc).min))
     out = torch.einsum("bthl,blc->bthc", probs, kv[..., :c])
-    return out.reshape(rows, heads, c).to(q_latent.dtype), lse.reshape(rows, heads)
+    return out.reshape(rows, heads, c).to(q_latent.dtype), lse.reshape(rows, heads).float()

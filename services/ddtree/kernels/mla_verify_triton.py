@@ -1,0 +1,230 @@
+"""Tree-verify MLA attention in Triton: absorbed queries over the paged latent cache.
+
+One program owns BLOCK_M query rows of one request, where a row is one (tail token, head) pair:
+all heads and tree rows of a request are packed into M, so they share every KV tile they load
+(a 64-node tree at h=16 is 1040 rows against one KV stream: matrix-bound). Each KV tile
+[BLOCK_N, C + R] is loaded once and used twice: as keys (scores = q_lat k_lat^T + q_rope k_rope^T)
+and as values (the first C columns). Online softmax in base 2 with fp32 accumulators.
+
+Tiles that lie wholly inside the prefix take a loop with no mask at all; only the last tiles
+(those touching the tree tail) read the ancestor bitmask. Few rows (decode, small trees) cannot
+fill the chip, so the KV range is split across programs (flash-decoding) and a second kernel
+merges the partial results by their log-sum-exp.
+
+CPU tensors run the same kernels when Triton's interpreter is on (TRITON_INTERPRET=1 set before
+triton is imported; slow, for tests).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .validate import check_verify_inputs, check_verify_values
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _verify_fwd(
+    QLat, QRope, Cache, Table, Prefix, Mask, Out, Lse,
+    stride_qlr, stride_qlh, stride_qrr, stride_qrh,
+    stride_cp, stride_cr, stride_tb,
+    stride_or, stride_oh, stride_lr, stride_ls,
+    T, H, W, page_size, max_pages, num_pages, scale_log2,
+    C: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PARTIAL: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = m < T * H
+    t = m // H
+    head = m % H
+    qrow = (b * T + t).to(tl.int64)
+    cc = tl.arange(0, C)
+    rr = tl.arange(0, R)
+    q_lat = tl.load(QLat + (qrow * stride_qlr + head * stride_qlh)[:, None] + cc[None, :],
+                    mask=row_ok[:, None], other=0.0)
+    q_rope = tl.load(QRope + (qrow * stride_qrr + head * stride_qrh)[:, None] + rr[None, :],
+                     mask=row_ok[:, None], other=0.0)
+
+    prefix = tl.load(Prefix + b).to(tl.int32)
+    prefix = prefix * (prefix > 0)  # (not tl.maximum(x, 0): the interpreter makes that 1-d)
+    kv_len = prefix + T
+    n_tiles = tl.cdiv(kv_len, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, n_tiles)
+    full_hi = tl.maximum(tl.minimum(hi, prefix // BLOCK_N), lo)  # tiles wholly in the prefix
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, C], tl.float32)
+    nn = tl.arange(0, BLOCK_N)
+    table_row = Table + b.to(tl.int64) * stride_tb
+
+    # Prefix tiles: every key visible, every position inside the sequence.
+    for tile in range(lo, full_hi):
+        pos = tile * BLOCK_N + nn
+        page = tl.load(table_row + tl.minimum(pos // page_size, max_pages - 1))
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)  # bad tables never fault
+        kv_off = page * stride_cp + (pos % page_size) * stride_cr
+        k_lat = tl.load(Cache + kv_off[:, None] + cc[None, :])
+        k_rope = tl.load(Cache + kv_off[:, None] + C + rr[None, :])
+        s = tl.dot(q_lat, tl.trans(k_lat))
+        s = tl.dot(q_rope, tl.trans(k_rope), s) * scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc * alpha[:, None])
+        m_i = m_new
+
+    # Tiles touching the tree tail: ancestor bitmask for tail keys, nothing past the tail.
+    mask_row = Mask + (b * T + t).to(tl.int64) * W
+    for tile in range(full_hi, hi):
+        pos = tile * BLOCK_N + nn
+        in_seq = pos < kv_len
+        page = tl.load(table_row + tl.minimum(pos // page_size, max_pages - 1), mask=in_seq, other=0)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+        kv_off = page * stride_cp + (pos % page_size) * stride_cr
+        k_lat = tl.load(Cache + kv_off[:, None] + cc[None, :], mask=in_seq[:, None], other=0.0)
+        k_rope = tl.load(Cache + kv_off[:, None] + C + rr[None, :], mask=in_seq[:, None], other=0.0)
+        s = tl.dot(q_lat, tl.trans(k_lat))
+        s = tl.dot(q_rope, tl.trans(k_rope), s) * scale_log2
+        rel = tl.maximum(pos - prefix, 0)
+        in_tail = (pos >= prefix) & in_seq
+        word = tl.load(mask_row[:, None] + (rel // 64)[None, :],
+                       mask=row_ok[:, None] & in_tail[None, :], other=0)
+        bit = (word >> (rel % 64).to(tl.int64)[None, :]) & 1
+        visible = (pos < prefix)[None, :] | (bit != 0)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc * alpha[:, None])
+        m_i = m_new
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    if PARTIAL:  # fp32 partials [splits, B*T*H, C] and [splits, B*T*H]
+        prow = split.to(tl.int64) * stride_ls + (b * T * H + m).to(tl.int64)
+        tl.store(Out + (prow * C)[:, None] + cc[None, :], out, mask=row_ok[:, None])
+        tl.store(Lse + prow, lse, mask=row_ok)
+    else:
+        tl.store(Out + (qrow * stride_or + head * stride_oh)[:, None] + cc[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(Lse + qrow * stride_lr + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(OPart, LsePart, Out, Lse, n_rows, H, stride_or, stride_oh, stride_lr,
+                  C: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """One program per (row, head): out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s."""
+    r = tl.program_id(0).to(tl.int64)
+    ss = tl.arange(0, NUM_SPLITS)
+    cc = tl.arange(0, C)
+    lse_s = tl.load(LsePart + ss * n_rows + r)
+    top = tl.max(lse_s, 0)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp(lse_s - top_safe)
+    total = tl.sum(w, 0)
+    o_s = tl.load(OPart + (ss.to(tl.int64) * n_rows + r)[:, None] * C + cc[None, :])
+    out = tl.sum(o_s * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    lse = tl.where(total > 0.0, top_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+    row, head = r // H, r % H
+    tl.store(Out + row * stride_or + head * stride_oh + cc, out.to(Out.dtype.element_ty))
+    tl.store(Lse + row * stride_lr + head, lse)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def launch_config(rows_per_request: int, batch: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, splits) for one call.
+
+    BLOCK_M 64 keeps the [64, 512] fp32 accumulator in registers; splits fill ~2 programs per SM
+    when few rows make few programs (the KV stream, not the rows, is then the work).
+    """
+    block_m = min(64, max(16, _pow2(rows_per_request)))
+    programs = batch * triton.cdiv(rows_per_request, block_m)
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    splits = min(32, _pow2(max(1, -(-2 * sms // programs))))
+    if splits < 2:
+        splits = 1
+    return block_m, 32, 4 if block_m <= 32 else 8, 2, splits
+
+
+def mla_verify_attention_triton(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    mask: torch.Tensor,
+    softmax_scale: float,
+    *,
+    config: tuple[int, int, int, int, int] | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    check_values: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as models.mla_attention.mla_verify_attention (see there); validated here.
+
+    config: (BLOCK_M, BLOCK_N, num_warps, num_stages, splits), default launch_config(...).
+    out/lse: optional preallocated outputs ([rows, h, C] q's dtype, [rows, h] float32).
+    check_values: also check prefix_lens and block_table contents (a host sync on GPU). Without
+    it, bad table entries are clamped in the kernel: wrong results, never a fault.
+    """
+    b, t, heads, c, r = check_verify_inputs(q_latent, q_rope, cache, block_table, prefix_lens, mask,
+                                            out, lse)
+    if check_values:
+        check_verify_values(cache, block_table, prefix_lens, t)
+    rows = b * t
+    device = q_latent.device
+    if out is None:
+        out = torch.empty(rows, heads, c, dtype=q_latent.dtype, device=device)
+    if lse is None:
+        lse = torch.empty(rows, heads, dtype=torch.float32, device=device)
+    if rows == 0:
+        return out, lse
+    block_m, block_n, warps, stages, splits = config or launch_config(t * heads, b, device)
+    mask64 = mask.view(torch.int64) if mask.dtype == torch.uint64 else mask
+    mask64 = mask64.contiguous()
+    table = block_table.contiguous()
+    grid = (triton.cdiv(t * heads, block_m), b, splits)
+    if device.type != "cuda" and not triton.knobs.runtime.interpret:
+        raise ValueError("CPU tensors run only under Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)")
+    fwd, merge = _verify_fwd, _merge_splits
+    common = dict(C=c, R=r, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits)
+    launch = dict(num_warps=warps, num_stages=stages) if device.type == "cuda" else {}
+    scalars = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+               cache.stride(0), cache.stride(1), table.stride(0))
+    tail = (t, heads, mask64.shape[-1], cache.shape[1], table.shape[1], cache.shape[0], softmax_scale * _LOG2E)
+    if splits == 1:
+        fwd[grid](q_latent, q_rope, cache, table, prefix_lens, mask64, out, lse, *scalars,
+                  out.stride(0), out.stride(1), lse.stride(0), 0, *tail, PARTIAL=False, **common, **launch)
+        return out, lse
+    o_part = torch.empty(splits, rows * heads, c, dtype=torch.float32, device=device)
+    lse_part = torch.empty(splits, rows * heads, dtype=torch.float32, device=device)
+    fwd[grid](q_latent, q_rope, cache, table, prefix_lens, mask64, o_part, lse_part, *scalars,
+              0, 0, 0, rows * heads, *tail, PARTIAL=True, **common, **launch)
+    merge[(rows * heads,)](o_part, lse_part, out, lse, rows * heads, heads, out.stride(0), out.stride(1),
+                           lse.stride(0), C=c, NUM_SPLITS=splits, **({"num_warps": 4} if launch else {}))
+    return out, lse

@@ -1,0 +1,191 @@
+"""Tree-verify MLA attention kernel (ddtree.kernels) against the float64 torch reference.
+
+On a GPU: bf16, the real latent/rope widths (512/64), the issue's grid of shapes. Without one,
+the same kernel runs under Triton's interpreter on smaller shapes in fp16 (the interpreter's
+tl.dot mishandles bf16 operands; the kernel's code path is the same for both dtypes).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:  # must precede the first import of triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from ddtree.kernels import check_verify_values, mla_verify_attention_triton  # noqa: E402
+from ddtree.models.mla_attention import (  # noqa: E402
+    causal_bitmask, mla_verify_attention, mla_verify_attention_reference, pack_bitmask)
+from ddtree.tree import build_trees  # noqa: E402
+from ddtree.tree.samples import random_topk  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float16
+C, R = (512, 64) if CUDA else (64, 16)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_index_fix():
+    """Triton 3.6's interpreter turns loop bounds into ints with int(array of shape (1,)), which
+    numpy >= 2.4 refuses; reshape to a 0-d array first. Compiled kernels are not affected."""
+    if CUDA or not triton.knobs.runtime.interpret:
+        if not CUDA:
+            pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set")
+        yield
+        return
+    import triton.runtime.interpreter as interp
+    original = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    interp._patch_lang_tensor = patched
+    yield
+    interp._patch_lang_tensor = original
+
+
+def tree_mask(batch: int, nodes: int, gen: torch.Generator) -> torch.Tensor:
+    """Ancestor bitmasks of real draft trees [B, nodes + 1, words] (uint64)."""
+    lp, ids = random_topk(batch, 8, min(nodes, 8) if nodes else 1, generator=gen)
+    return build_trees(lp, ids, nodes, backend="reference").mask
+
+
+def make_inputs(prefixes: list[int], tail: int, heads: int, page_size: int, mask: torch.Tensor,
+                gen: torch.Generator):
+    """Random queries and a random paged cache; pages scattered, tables padded with extra pages."""
+    b = len(prefixes)
+    need = [-(-(p + tail) // page_size) for p in prefixes]
+    width = max(need) + 1
+    num_pages = sum(need) + 3
+    perm = torch.randperm(num_pages, generator=gen)
+    table = torch.zeros(b, width, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[start:start + n].int()
+        table[i, n:] = perm[-1]  # padding pages: allocated, never visible
+        start += n
+    cache = torch.randn(num_pages, page_size, C + R, generator=gen)
+    q_latent = torch.randn(b * tail, heads, C, generator=gen)
+    q_rope = torch.randn(b * tail, heads, R, generator=gen)
+    dev = lambda x, dt=DTYPE: x.to(DEVICE, dt)  # noqa: E731
+    return (dev(q_latent), dev(q_rope), dev(cache), table.to(DEVICE),
+            torch.tensor(prefixes, dtype=torch.int64, device=DEVICE), mask.to(DEVICE))
+
+
+def check_against_reference(inputs, scale: float, config=None) -> None:
+    q_latent, q_rope, cache, table, prefix, mask = inputs
+    out = torch.full_like(q_latent, float("nan"))  # poisoned: every element must be written
+    lse = torch.full(q_latent.shape[:2], float("nan"), device=DEVICE)
+    got, got_lse = mla_verify_attention_triton(q_latent, q_rope, cache, table, prefix, mask, scale,
+                                               config=config, out=out, lse=lse, check_values=True)
+    assert got.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
+    want, want_lse = mla_verify_attention_reference(q_latent.double(), q_rope.double(), cache.double(),
+                                                    table, prefix, mask, scale)
+    assert not got.isnan().any() and not got_lse.isnan().any()
+    err = (got.double() - want).norm() / want.norm().clamp_min(1e-30)
+    assert err <= 1e-2, f"relative error {err:.2e}"
+    finite = want_lse.isfinite()
+    assert torch.equal(got_lse.isfinite(), finite)
+    assert (got_lse[finite].double() - want_lse[finite].double()).abs().max() <= 2e-2
+
+
+# (tail rows per request, heads, prefixes (ragged batch), page size, mask kind)
+if CUDA:
+    CASES = [(t, h, [p, p // 3 + 1, max(p - 17, 0)], ps, kind)
+             for t, kind in ((1, "decode"), (8, "chain"), (64, "tree"), (256, "tree"))
+             for h in (8, 16) for p in (0, 1, 63, 64, 1000, 8191) for ps in (16, 64)]
+else:
+    CASES = [
+        (1, 8, [0, 1, 63], 16, "decode"),
+        (8, 8, [64, 5], 16, "chain"),
+        (17, 4, [63, 0, 30], 16, "tree"),
+        (33, 2, [100, 64], 64, "tree"),
+    ]
+
+
+@pytest.mark.parametrize("tail,heads,prefixes,page_size,kind", CASES)
+def test_matches_float64_reference(tail, heads, prefixes, page_size, kind):
+    gen = torch.Generator().manual_seed(hash((tail, heads, tuple(prefixes), page_size)) % 2**31)
+    b = len(prefixes)
+    if kind == "tree":
+        mask = tree_mask(b, tail - 1, gen)
+    else:
+        mask = causal_bitmask(tail).expand(b, -1, -1).contiguous()
+    inputs = make_inputs(prefixes, tail, heads, page_size, mask, gen)
+    check_against_reference(inputs, scale=(C + R) ** -0.5)
+
+
+@pytest.mark.parametrize("config", [(16, 16, 4, 1, 1), (16, 16, 4, 1, 4), (32, 32, 4, 2, 8)])
+def test_split_counts_and_tiles_agree_with_reference(config):
+    """Splits beyond the tiles a request has (empty splits) and tiles across page boundaries."""
+    gen = torch.Generator().manual_seed(7)
+    mask = tree_mask(2, 12, gen)
+    inputs = make_inputs([40, 3], 13, 2, 16, mask, gen)
+    check_against_reference(inputs, scale=0.3, config=config)
+
+
+def test_row_that_sees_nothing_gives_zero_and_minus_inf():
+    gen = torch.Generator().manual_seed(3)
+    visible = torch.ones(4, 4, dtype=torch.bool).tril()
+    visible[2] = False  # row 2 sees no tail token and (prefix 0) nothing at all
+    inputs = make_inputs([0], 4, 2, 16, pack_bitmask(visible)[None], gen)
+    q_latent, q_rope, cache, table, prefix, mask = inputs
+    out, lse = mla_verify_attention_triton(q_latent, q_rope, cache, table, prefix, mask, 0.2)
+    assert torch.all(out[2] == 0) and torch.all(lse[2] == float("-inf"))
+    check_against_reference(inputs, scale=0.2)
+
+
+def test_bad_inputs_are_value_errors_before_launch():
+    gen = torch.Generator().manual_seed(5)
+    good = make_inputs([10], 2, 2, 16, causal_bitmask(2), gen)
+    q_latent, q_rope, cache, table, prefix, mask = good
+
+    def call(**kw):
+        args = dict(q_latent=q_latent, q_rope=q_rope, cache=cache, block_table=table,
+                    prefix_lens=prefix, mask=mask)
+        args.update(kw)
+        mla_verify_attention_triton(*args.values(), 0.1, check_values=True)
+
+    bad = {
+        "q_latent must be bfloat16 or float16": dict(q_latent=q_latent.float(), q_rope=q_rope.float(),
+                                                     cache=cache.float()),
+        "q_rope is": dict(q_rope=q_rope.to(torch.bfloat16 if DTYPE == torch.float16 else torch.float16)),
+        "queries have": dict(mask=causal_bitmask(3)),
+        "cache rows are": dict(cache=cache[..., :-16]),
+        "powers of two": dict(q_latent=q_latent[..., :-8], cache=cache[..., 8:]),
+        "one row per request": dict(prefix_lens=prefix.repeat(2)),
+        "int32 or int64": dict(block_table=table.float()),
+        "mask must be int64 or uint64": dict(mask=mask.int()),
+        "block_table has": dict(prefix_lens=prefix + 100),
+        "outside the cache": dict(block_table=table + 1000),
+        "prefix_lens must be >= 0": dict(prefix_lens=prefix - 20),
+        "must have 3 dims": dict(q_latent=q_latent[0]),
+    }
+    for message, kw in bad.items():
+        with pytest.raises(ValueError, match=message):
+            call(**kw)
+    with pytest.raises(ValueError, match="out must be"):
+        mla_verify_attention_triton(*good, 0.1, out=torch.empty_like(q_latent)[:1])
+    check_verify_values(cache, table, prefix, 2)  # the good tables pass
+
+
+def test_dispatcher_uses_kernel_on_cuda_and_reference_elsewhere(monkeypatch):
+    gen = torch.Generator().manual_seed(11)
+    inputs = make_inputs([20, 7], 5, 2, 16, tree_mask(2, 4, gen), gen)
+    calls = []
+    import ddtree.kernels.mla_verify_triton as kernel_module
+    original = kernel_module.mla_verify_attention_triton
+    monkeypatch.setattr(kernel_module, "mla_verify_attention_triton",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))
+    out, _ = mla_verify_attention(*inputs, 0.25)
+    assert calls == ([1] if CUDA else [])
+    want, _ = mla_verify_attention_reference(*[x.double() if x.is_floating_point() else x for x in inputs], 0.25)
+    assert (out.double() - want).norm() / want.norm() <= 1e-2
+    monkeypatch.setenv("DDTREE_VERIFY_ATTN", "torch")
+    mla_verify_attention(*inputs, 0.25)
+    assert calls == ([1] if CUDA else [])
