@@ -34,7 +34,8 @@ from google.protobuf.json_format import MessageToDict
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from ddtree.telemetry.file_exporter import _hex_ids
-from ddtree_client.generate import GenerateOptions
+from ddtree.v1 import generation_pb2_grpc
+from ddtree_client.generate import GenerateOptions, describe_server
 from ddtree_client.loadtest import LoadTestConfig, format_table, run_sweep, to_json
 from ddtree_client.prompts import BUILTIN_PROMPTS, load_prompts
 
@@ -153,13 +154,15 @@ def main(argv: list[str] | None = None) -> int:
             proc, address = start_stack(args, env, out / f"{args.stack}_tracing_{name}_{rep}.log")
             try:
                 runs[name].append(run_sweep(replace(config, target=address)))
+                with grpc.insecure_channel(address) as channel:
+                    server = describe_server(generation_pb2_grpc.GenerationStub(channel))
             finally:
                 stop(proc)
-            (out / f"service_tracing_{name}_{rep}.json").write_text(to_json(runs[name][-1], config))
+            (out / f"service_tracing_{name}_{rep}.json").write_text(to_json(runs[name][-1], config, server))
     collector.write(trace_file)
     head = header(argv)
     (out / "service_baseline.txt").write_text(
-        head + "# tracing off, first repeat; every request generates max_tokens (ignore_eos)\n" + format_table(runs["off"][0]))
+        head + "# tracing off, first repeat; every request generates max_tokens (ignore_eos)\n" + format_table(runs["off"][0], server))
     report = subprocess.run([sys.executable, "-m", "ddtree.cli", "trace-report", "--file",
                              str(trace_file), "--group-by", "level"], capture_output=True, text=True)
     (out / "trace_report.txt").write_text(head + "# full-sampling tracing runs, grouped by load-test level\n"

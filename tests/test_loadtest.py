@@ -122,6 +122,7 @@ def test_loadtest_at_concurrency_1_and_4_is_consistent(stack, tmp_path, capsys):
         if mode == "ar":
             assert lv["acceptance_hist"] == {"1": 8 * (MAX_TOKENS - 1)} and lv["speedup_vs_ar"] == pytest.approx(1.0)
     assert "agg_tok/s" in table and "ddtree     4" in table
+    assert table.startswith("# server: target (deepseek_v3, tp 1, vocab 32), drafter drafter (block 5)")
 
     # Per request, the client's count and timings agree with the server's usage.
     config = LoadTestConfig(target=stack["target"], concurrency=(4,), num_requests=8, prompts=tuple(PROMPTS),

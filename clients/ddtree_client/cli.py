@@ -111,6 +111,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_loadtest(args: argparse.Namespace) -> int:
     """Runs the sweep, prints the table, writes --json/--csv files."""
+    from ddtree.v1 import generation_pb2_grpc
+    from ddtree_client.generate import describe_server
     from ddtree_client.loadtest import LoadTestConfig, format_table, run_sweep, to_csv, to_json
     from ddtree_client.prompts import BUILTIN_PROMPTS, load_prompts
 
@@ -124,8 +126,10 @@ def run_loadtest(args: argparse.Namespace) -> int:
     except (ValueError, ConnectionError) as exc:
         print(f"ddtree-client loadtest: {exc}", file=sys.stderr)
         return 2
-    print(format_table(results), end="")
-    for path, text in ((args.json, to_json(results, config)), (args.csv, to_csv(results))):
+    with open_channel(args.target, tls_ca=args.tls_ca) as channel:
+        server = describe_server(generation_pb2_grpc.GenerationStub(channel))
+    print(format_table(results, server), end="")
+    for path, text in ((args.json, to_json(results, config, server)), (args.csv, to_csv(results))):
         if path:
             with open(path, "w", encoding="utf-8") as fh:
                 fh.write(text)

@@ -177,3 +177,15 @@ def record_summary(record: RequestRecord) -> dict:
             "server_ttft_ms": round(usage.ttft_ms, 3), "mode": MODE_NAMES.get(usage.mode, str(usage.mode)),
         })
     return out
+
+
+def describe_server(stub: generation_pb2_grpc.GenerationStub, timeout_s: float = 10.0) -> str:
+    """One line naming what the server runs (GetModelInfo), for result headers; "" if it cannot say."""
+    try:
+        info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout_s)
+    except grpc.RpcError:
+        return ""
+    modes = ",".join(MODE_NAMES.get(m, str(m)) for m in info.modes)
+    drafter = f"drafter {info.drafter} (block {info.block_size})" if info.drafter else "no drafter"
+    return (f"{info.model} ({info.model_type}, tp {info.tp_size}, vocab {info.vocab_size}), {drafter}, "
+            f"modes {modes}, ddtree-serve {info.version}")

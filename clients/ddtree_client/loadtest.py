@@ -229,9 +229,10 @@ def _f(x: float | None, digits: int = 1) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def format_table(results: Sequence[LevelResult]) -> str:
-    """Throughput, latency and acceptance tables as fixed-width text."""
-    lines = [f"{'mode':<7}{'conc':>5}{'reqs':>6}{'err':>5}{'tokens':>8}{'wall_s':>9}{'agg_tok/s':>11}"
+def format_table(results: Sequence[LevelResult], server: str = "") -> str:
+    """Throughput, latency and acceptance tables as fixed-width text (`server`: a header line)."""
+    lines = [f"# server: {server}"] if server else []
+    lines += [f"{'mode':<7}{'conc':>5}{'reqs':>6}{'err':>5}{'tokens':>8}{'wall_s':>9}{'agg_tok/s':>11}"
              f"{'per_req_tok/s':>15}{'acc_len':>9}{'fwd/tok':>9}{'vs_ar':>7}"]
     for r in results:
         lines.append(f"{r.mode:<7}{r.concurrency:>5}{r.requests:>6}{r.errors:>5}{r.tokens:>8}{r.wall_s:>9.2f}"
@@ -263,9 +264,9 @@ def _no_nan(value):
     return value
 
 
-def to_json(results: Sequence[LevelResult], config: LoadTestConfig) -> str:
-    meta = {"target": config.target, "rate": config.rate, "options": asdict(config.options),
-            "prompts": len(config.prompts)}
+def to_json(results: Sequence[LevelResult], config: LoadTestConfig, server: str = "") -> str:
+    meta = {"target": config.target, "server": server, "rate": config.rate, "options": asdict(config.options),
+            "prompts": len(config.prompts), "tag": config.tag}
     return json.dumps(_no_nan({"config": meta, "levels": [asdict(r) for r in results]}), indent=1)
 
 
