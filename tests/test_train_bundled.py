@@ -1,0 +1,211 @@
+"""tools/train_bundled.py in smoke mode (tiny widths, a few steps, 3 files per split), end to end on
+the CPU: the files it writes load unchanged in our loaders and in the references (transformers'
+DeepseekV3ForCausalLM, z-lab's DFlashDraftModel), an interrupted run resumes to bit-identical
+weights, the training forward of the drafter equals the reference per anchor, the manifest
+round-trips and catches altered files, and the card is written."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+from ddtree.bundled import (BundledModelError, MAX_TOTAL_BYTES, bundled_paths, verify_manifest,  # noqa: E402
+                            write_manifest)
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+sys.path.insert(0, str(TOOLS))
+from bundled_training import corpus as C  # noqa: E402
+from bundled_training.common import read_log  # noqa: E402
+from bundled_training.drafter import block_labels, block_logits, sample_anchors  # noqa: E402
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("train_bundled", TOOLS / "train_bundled.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bundled")
+    code = _script().main(["--smoke", "--quiet", "--work", str(root / "work"), "--out", str(root / "pair")])
+    assert code == 0
+    return root
+
+
+# ---- the run's outputs ------------------------------------------------------------------------
+def test_smoke_run_writes_the_package_layout(smoke):
+    pair = smoke / "pair"
+    paths = verify_manifest(pair)
+    assert paths.target == pair / "target" and paths.drafter == pair / "drafter"
+    assert {p.name for p in pair.iterdir()} >= {"target", "drafter", "MODEL_CARD.md", "manifest.json",
+                                                "train_log.jsonl", "eval.json"}
+    card = (pair / "MODEL_CARD.md").read_text()
+    for needle in ("## Corpus", "Bits per byte", "| ddtree | 16 |", "| chain |", "target forwards / token",
+                   "Sample completions", "manifest.json"):
+        assert needle in card
+    evaluation = json.loads((pair / "eval.json").read_text())
+    assert evaluation["greedy_outputs_equal_ar"] and evaluation["heldout_bits_per_byte"] > 0
+    assert [(r["mode"], r["budget"]) for r in evaluation["runs"]] == [("ar", 0), ("chain", 0), ("ddtree", 4),
+                                                                      ("ddtree", 16)]
+    assert all(r["generated_tokens"] == 2 * 12 for r in evaluation["runs"])
+
+
+def test_log_has_loss_curves_that_fall(smoke):
+    log = read_log(smoke / "pair" / "train_log.jsonl")
+    for phase in ("target", "drafter"):
+        losses = [r["loss"] for r in log if r.get("phase") == phase and "loss" in r]
+        assert len(losses) == 4 and losses[-1] < losses[0]
+    assert any("heldout_bpb" in r for r in log) and any("heldout_top1" in r for r in log)
+    assert log[-1]["event"] == "done"
+
+
+def test_target_loads_in_our_model_and_matches_transformers(smoke):
+    from transformers import DeepseekV3ForCausalLM
+
+    from ddtree.models.config import TargetConfig
+    from ddtree.models.deepseek import TargetModel
+    from ddtree.tokenizer import load_tokenizer
+
+    target = smoke / "pair" / "target"
+    cfg = TargetConfig.from_pretrained(target)
+    assert cfg.vocab_size == C.VOCAB_SIZE and cfg.q_lora_rank and cfg.kv_lora_rank and cfg.n_shared_experts == 1
+    assert sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) >= 2
+    assert cfg.num_attention_heads % 8 == 0 and cfg.n_routed_experts % 8 == 0 and cfg.vocab_size % 8 == 0
+    ours = TargetModel.from_pretrained(target, dtype=torch.float32)
+    reference = DeepseekV3ForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    ids = torch.tensor([[C.BOS, *b"import os\ndef f(x):\n    return x"]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours.logits(ids).float(), reference(ids).logits, rtol=1e-4, atol=1e-4)
+    biases = [t for n, t in load_file(target / "model.safetensors").items() if n.endswith("e_score_correction_bias")]
+    assert len(biases) >= 2 and any(b.abs().sum() > 0 for b in biases)  # the balancer moved them
+    tokenizer = load_tokenizer(target, cfg.vocab_size)
+    assert tokenizer.encode("def") == list(b"def") and tokenizer.special_tokens[C.MASK] == "<|mask|>"
+
+
+def test_drafter_loads_in_ours_and_zlab(smoke):
+    from ddtree.models.dflash import DFlashDrafter
+
+    drafter_dir, target = smoke / "pair" / "drafter", load_file(smoke / "pair" / "target" / "model.safetensors")
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, embed_tokens=target["model.embed_tokens.weight"],
+                                            lm_head=target["lm_head.weight"], dtype=torch.float32)
+    c = drafter.config
+    assert (c.block_size, c.mask_token_id, c.target_layer_ids) == (16, C.MASK, (1, 3))
+    dflash = pytest.importorskip("dflash.model")
+    reference = dflash.DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32)
+    assert reference.block_size == 16 and list(reference.target_layer_ids) == [1, 3]
+
+
+def test_training_forward_equals_zlab_reference_per_anchor(smoke):
+    """block_logits (all anchors in one masked forward) == DFlashDraftModel run once per anchor on
+    the context before it, with the same weights and the target's hidden states."""
+    dflash = pytest.importorskip("dflash.model")
+    from transformers import DeepseekV3ForCausalLM
+
+    from ddtree.models.dflash import DFlashDrafter
+
+    pair = smoke / "pair"
+    target = DeepseekV3ForCausalLM.from_pretrained(pair / "target", dtype=torch.float32).eval()
+    ours = DFlashDrafter.from_pretrained(pair / "drafter", embed_tokens=target.get_input_embeddings(),
+                                         lm_head=target.get_output_embeddings(), dtype=torch.float32)
+    reference = dflash.DFlashDraftModel.from_pretrained(pair / "drafter", dtype=torch.float32).eval()
+    torch.manual_seed(3)
+    tokens = torch.randint(0, 256, (2, 48))
+    anchors = sample_anchors(2, 48, 16, 3, torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        hidden = target(input_ids=tokens, output_hidden_states=True).hidden_states
+        features = dflash.extract_context_feature(hidden, [1, 3])
+        got = block_logits(ours, features, tokens, anchors)
+        for b in range(2):
+            for j, p in enumerate(anchors[b].tolist()):
+                block = torch.full((1, 16), C.MASK)
+                block[0, 0] = tokens[b, p]
+                out = reference(position_ids=torch.arange(p + 16)[None], target_hidden=features[b:b + 1, :p],
+                                noise_embedding=target.get_input_embeddings()(block))
+                want = reference.compute_logits(out[:, 1:], target.get_output_embeddings())[0]
+                torch.testing.assert_close(got[b, j], want, rtol=1e-4, atol=1e-4)
+    labels = block_labels(tokens, anchors, 16)
+    assert labels[1, 2].tolist() == tokens[1, anchors[1, 2] + 1: anchors[1, 2] + 16].tolist()
+
+
+def test_interrupted_run_resumes_to_identical_weights(smoke, tmp_path):
+    """Budget 0: each call stops at the next checkpoint (exit 75); the calls together equal one run."""
+    script = _script()
+    argv = ["--smoke", "--quiet", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "pair")]
+    assert script.main([*argv, "--budget-minutes", "0"]) == script.EXIT_OUT_OF_TIME   # target step 2
+    assert script.main([*argv, "--budget-minutes", "0"]) == script.EXIT_OUT_OF_TIME   # drafter step 2
+    assert script.main(argv) == 0
+    log = read_log(tmp_path / "work" / "train_log.jsonl")
+    assert [(r["phase"], r["step"]) for r in log if r.get("event") == "resumed"] == [
+        ("target", 2), ("target", 4), ("drafter", 2)]
+    for part in ("target", "drafter"):
+        want = load_file(smoke / "pair" / part / "model.safetensors")
+        got = load_file(tmp_path / "pair" / part / "model.safetensors")
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+# ---- manifest -----------------------------------------------------------------------------------
+@pytest.fixture
+def pair_copy(smoke, tmp_path):
+    dst = tmp_path / "pair"
+    shutil.copytree(smoke / "pair", dst)
+    return dst
+
+
+def test_manifest_round_trip_and_corruption(pair_copy):
+    manifest = write_manifest(pair_copy)
+    assert set(manifest["files"]) >= {"target/config.json", "target/model.safetensors", "drafter/config.json",
+                                      "drafter/model.safetensors", "MODEL_CARD.md"}
+    verify_manifest(pair_copy)
+    weights = pair_copy / "drafter" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(BundledModelError, match="drafter/model.safetensors: sha256 differs"):
+        verify_manifest(pair_copy)
+    weights.write_bytes(bytes(data[:-1]))
+    with pytest.raises(BundledModelError, match="drafter/model.safetensors: .* bytes, manifest says"):
+        verify_manifest(pair_copy)
+
+
+def test_manifest_missing_extra_oversize_and_absent(pair_copy, tmp_path):
+    write_manifest(pair_copy)
+    (pair_copy / "target" / "config.json").unlink()
+    (pair_copy / "drafter" / "stray.bin").write_bytes(b"x")
+    with pytest.raises(BundledModelError, match="target/config.json: missing.*drafter/stray.bin: not in the manifest"):
+        verify_manifest(pair_copy)
+    with pytest.raises(BundledModelError, match="over the cap"):
+        write_manifest(pair_copy, max_total_bytes=1000)
+    with pytest.raises(BundledModelError, match="manifest.json is missing"):
+        verify_manifest(tmp_path / "nowhere")
+    (pair_copy / "manifest.json").write_text("{not json")
+    with pytest.raises(BundledModelError, match="malformed manifest"):
+        verify_manifest(pair_copy)
+    assert MAX_TOTAL_BYTES == 16 * 1024 * 1024 and bundled_paths().root.name == "bundled"
+
+
+# ---- corpus ------------------------------------------------------------------------------------
+def test_corpus_rules():
+    assert C.is_corpus_file("json/decoder.py") and C.is_corpus_file("os.py")
+    for excluded in ("test/test_os.py", "unittest/test/test_case.py", "idlelib/editor.py", "encodings/cp1252.py",
+                     "site-packages/pip/__init__.py", "config-3.11-x86_64-linux-gnu/python-config.py",
+                     "test_foo.py", "os.pyc"):
+        assert not C.is_corpus_file(excluded), excluded
+    held = [f for f in C.corpus_files() if C.is_held_out(f)]
+    assert 0 < len(held) < len(C.corpus_files()) / 10 and held == sorted(held)
+    assert C.is_held_out("enum.py") and not C.is_held_out("os.py")  # a pure function of the name
+    ids = C.encode_file(b"x=1\n")
+    assert ids.tolist() == [C.BOS, *b"x=1\n", C.EOS]
+    tokens = torch.arange(1000)
+    a, b = C.sample_windows(tokens, 4, 17, seed=0, step=3), C.sample_windows(tokens, 4, 17, seed=0, step=3)
+    assert torch.equal(a, b) and not torch.equal(a, C.sample_windows(tokens, 4, 17, seed=0, step=4))
+    assert torch.equal(a[:, 1:] - a[:, :-1], torch.ones(4, 16, dtype=torch.long))
