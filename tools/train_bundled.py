@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-steps", type=int, help="override the target phase's step count")
     p.add_argument("--drafter-steps", type=int, help="override the drafter phase's step count")
     p.add_argument("--budget-minutes", type=float, help="checkpoint and exit 75 once this much wall time has passed")
+    p.add_argument("--experts-impl", default="auto", choices=("auto", "eager", "batched_mm", "grouped_mm"),
+                   help="transformers' MoE implementation while training the target (auto: its default)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr (the JSON log is still written)")
     return p.parse_args(argv)
 
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
     log.write(event="run", device=device_name(device), config=config_dict(cfg), argv=sys.argv[1:])
     corpus = load_corpus(max_files=cfg.max_files)
     try:
-        target, target_s = train_target(cfg, corpus, work, device, log, deadline)
+        target, target_s = train_target(cfg, corpus, work, device, log, deadline, args.experts_impl)
         save_target(target, pair / "target")
         frozen = load_saved_target(pair / "target", device)
         drafter, drafter_s = train_drafter(cfg, corpus, frozen, work, device, log, deadline)

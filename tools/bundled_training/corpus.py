@@ -13,6 +13,7 @@ reserved and never seen.
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,11 @@ def is_held_out(relative: str) -> bool:
 def corpus_files(root: Path | None = None) -> list[str]:
     """Sorted relative paths of the corpus (both splits)."""
     root = root or stdlib_root()
-    found = (p.relative_to(root).as_posix() for p in root.rglob("*.py") if p.is_file())
+    found = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in EXCLUDED_DIRS and not d.startswith("config-")]  # prune early
+        rel = Path(directory).relative_to(root)
+        found += [(rel / n).as_posix() for n in names if os.path.isfile(os.path.join(directory, n))]
     return sorted(f for f in found if is_corpus_file(f))
 
 

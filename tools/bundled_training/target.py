@@ -31,11 +31,16 @@ def target_hf_config(cfg: TrainConfig):
         bos_token_id=BOS, eos_token_id=EOS, pad_token_id=None, initializer_range=0.02)
 
 
-def build_target(cfg: TrainConfig):
+def build_target(cfg: TrainConfig, experts_implementation: str = "auto"):
+    """Seeded random init. `experts_implementation`: transformers' MoE kernel choice for training
+    ("auto": its default, grouped_mm where available; "eager" is the plain loop); not saved."""
     from transformers import DeepseekV3ForCausalLM
 
     torch.manual_seed(cfg.seed)
-    return DeepseekV3ForCausalLM(target_hf_config(cfg))
+    model = DeepseekV3ForCausalLM(target_hf_config(cfg))
+    if experts_implementation != "auto":
+        model.set_experts_implementation(experts_implementation)
+    return model
 
 
 def count_parameters(model) -> int:
@@ -56,7 +61,11 @@ class ExpertBalancer:
 
     def _count(self, module, _inputs, outputs) -> None:
         if module.training:
-            idx = outputs[2].reshape(-1)
+            chosen = [t for t in outputs if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+            if not chosen:
+                raise RuntimeError(f"{type(module).__name__} returned no expert indices: unknown transformers "
+                                   "router layout, the expert balancer cannot count loads")
+            idx = chosen[-1].reshape(-1)
             counts = torch.bincount(idx, minlength=module.e_score_correction_bias.numel()).float()
             self.loads[id(module)] = self.loads.get(id(module), 0) + counts
 
@@ -112,11 +121,11 @@ def make_optimizer(model, phase: PhaseConfig) -> torch.optim.Optimizer:
 
 
 def train_target(cfg: TrainConfig, corpus: Corpus, work: Path, device: torch.device, log: RunLog,
-                 deadline: Deadline):
+                 deadline: Deadline, experts_implementation: str = "auto"):
     """Trains (or resumes) the target; returns the model in eval mode on `device`."""
     phase = cfg.target_phase
     ckpt_path = work / "checkpoints" / "target.pt"
-    model = build_target(cfg).to(device)
+    model = build_target(cfg, experts_implementation).to(device)
     optimizer = make_optimizer(model, phase)
     balancer = ExpertBalancer(model, cfg.expert_bias_rate)
     state = load_checkpoint(ckpt_path)
