@@ -16,7 +16,6 @@ Every file starts with the command, the git commit and the device that produced 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -30,10 +29,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from ddtree.telemetry.file_exporter import _hex_ids
+from ddtree.telemetry.file_exporter import otlp_json_line
 from ddtree.v1 import generation_pb2_grpc
 from ddtree_client.generate import GenerateOptions, describe_server
 from ddtree_client.loadtest import LoadTestConfig, format_table, run_sweep, to_json
@@ -59,7 +57,7 @@ class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):
         self._server.stop(1).wait()
         with open(path, "w", encoding="utf-8") as fh:
             for request in self._requests:
-                fh.write(json.dumps(_hex_ids(MessageToDict(request)), separators=(",", ":")) + "\n")
+                fh.write(otlp_json_line(request) + "\n")
 
 
 def start_stack(args, env_extra: dict, log_path: Path) -> tuple[subprocess.Popen, str]:

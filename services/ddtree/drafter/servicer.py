@@ -20,7 +20,7 @@ import torch
 from opentelemetry import trace
 
 from ddtree.models.dflash import ContextCacheFull, DFlashDrafter, DrafterContextCache
-from ddtree.telemetry.spans import DRAFT, GpuTimer
+from ddtree.telemetry.spans import DRAFT, SERVER_GPU_MS, GpuTimer
 from ddtree.transport import Transport, TransportError, align, attach, peer_id_of, serve_peer, transport_errors
 from ddtree.v1 import drafter_pb2, drafter_pb2_grpc, tensor_pb2
 
@@ -32,7 +32,6 @@ ATTR_STEP = "ddtree.step.id"
 ATTR_BATCH = "ddtree.draft.batch_size"
 ATTR_TOP_K = "ddtree.draft.top_k"
 ATTR_NEW_TOKENS = "ddtree.draft.context_tokens"
-ATTR_GPU_MS = "ddtree.rpc.gpu_ms"
 
 
 @dataclass(frozen=True)
@@ -132,7 +131,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             self.output.record(slot)
         self._next_slot = (slot + 1) % self.output.slot_count
         gpu_ms = self.timer.flush(self.tracer).get(DRAFT, 0.0)  # waits for the draft: the reply's fence
-        span.set_attribute(ATTR_GPU_MS, gpu_ms)
+        span.set_attribute(SERVER_GPU_MS, gpu_ms)
         return (peer.for_peer(self.output.ref(slot, lp_out)), peer.for_peer(self.output.ref(slot, ids_out)), gpu_ms)
 
     def _release_peer(self, peer_id: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import threading
 from typing import Sequence
 
@@ -32,17 +33,31 @@ def _hex_ids(node):
     return node
 
 
+def otlp_json_line(request) -> str:
+    """One ExportTraceServiceRequest as an OTLP-JSON line (no trailing newline)."""
+    return json.dumps(_hex_ids(MessageToDict(request)), separators=(",", ":"))
+
+
 class OtlpJsonFileExporter(SpanExporter):
-    """Appends each exported batch to `path` as one OTLP-JSON line (thread-safe)."""
+    """Appends each exported batch to `path` as one OTLP-JSON line.
+
+    Each line goes out in one write(2) on an O_APPEND descriptor, so several processes (as under
+    `ddtree up`) can share one file without interleaving their lines."""
 
     def __init__(self, path: str):
         self.path = path
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        line = json.dumps(_hex_ids(MessageToDict(encode_spans(spans))), separators=(",", ":"))
-        with self._lock, open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(line + "\n")
+        data = (otlp_json_line(encode_spans(spans)) + "\n").encode("utf-8")
+        with self._lock:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                view = memoryview(data)
+                while view:  # a regular file takes it whole; loop only for interrupted writes
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.transport import Transport, TransportConfig, TransportUnavailable, add_transport_service, kind_name
 
     log = setup_logging("transport-probe")
-    provider = setup_tracing("transport-probe")
+    provider = setup_tracing("ddtree-transport-probe")
     config = TransportConfig(peer_id=args.peer_id, kind=args.kind, device=args.device,
                              fallback=tuple(k for k in args.fallback.split(",") if k),
                              probe_slot_bytes=args.probe_slot_bytes, reap_interval_s=args.reap_interval)

@@ -22,7 +22,7 @@ import grpc
 import torch
 from opentelemetry import trace
 
-from ddtree.telemetry.spans import ACCEPT, TREE_BUILD, GpuTimer
+from ddtree.telemetry.spans import ACCEPT, SERVER_GPU_MS, TREE_BUILD, GpuTimer
 from ddtree.transport import Region, Transport, TransportError, align, attach, serve_peer
 from ddtree.transport.region import check_ref
 from ddtree.tree import Accepted, Trees, accept, build_trees
@@ -38,7 +38,6 @@ ATTR_BATCH = "ddtree.tree.batch_size"
 ATTR_BUDGET = "ddtree.tree.budget"
 ATTR_NODES = "ddtree.tree.nodes"
 ATTR_ACCEPTED = "ddtree.tree.accepted_tokens"
-ATTR_GPU_MS = "ddtree.rpc.gpu_ms"
 
 
 @dataclass(frozen=True)
@@ -195,7 +194,7 @@ class TreeBuilderServicer(treebuild_pb2_grpc.TreeBuilderServicer):
         for old in [k for k, s in self._steps.items() if s.slot == slot]:
             del self._steps[old]  # that slot is overwritten now
         self._steps[key] = _Step(slot, trees)
-        span.set_attributes({ATTR_NODES: int(trees.num_nodes.sum()), ATTR_GPU_MS: gpu_ms})
+        span.set_attributes({ATTR_NODES: int(trees.num_nodes.sum()), SERVER_GPU_MS: gpu_ms})
         refs = treebuild_pb2.TreeRefs(**{name: peer.for_peer(self.trees_region.ref(slot, getattr(trees, name)))
                                          for name in ("tokens", "depths", "parents", "num_nodes", "mask")})
         return refs, gpu_ms
@@ -241,7 +240,7 @@ class TreeBuilderServicer(treebuild_pb2_grpc.TreeBuilderServicer):
         gpu_ms = self.timer.flush(self.tracer).get(ACCEPT, 0.0)
         raise_on_status(result.status)
         self._next_accept_slot = (slot + 1) % self.accept_region.slot_count
-        span.set_attributes({ATTR_ACCEPTED: int(result.length.sum()), ATTR_GPU_MS: gpu_ms})
+        span.set_attributes({ATTR_ACCEPTED: int(result.length.sum()), SERVER_GPU_MS: gpu_ms})
         reply = treebuild_pb2.AcceptReply(**{name: peer.for_peer(self.accept_region.ref(slot, getattr(result, name)))
                                              for name in ("path", "length", "bonus", "keep")})
         return reply, gpu_ms

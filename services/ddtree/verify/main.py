@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.telemetry import setup_tracing
 
     log = setup_logging("verify")
-    provider = setup_tracing("verify")
+    provider = setup_tracing("ddtree-verify")
     try:
         return serve(args, provider, log)
     except (ValueError, OSError) as exc:  # bad flags, checkpoints, ports: one clear line, exit 2
