@@ -225,6 +225,19 @@ def test_shipped_pair_matches_manifest_loads_and_greedy_spec_equals_ar():
     _greedy_modes_agree(paths.target, paths.drafter)
 
 
+def test_minutes_fit_the_step_counts(tmp_path):
+    """A tiny time budget: each phase measures its speed at calibrate_at and plans the minimum steps."""
+    script = _script()
+    argv = ["--smoke", "--quiet", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "pair"),
+            "--target-steps", "40", "--drafter-steps", "40", "--minutes", "0.0001"]
+    assert script.main(argv) == 0
+    log = read_log(tmp_path / "work" / "train_log.jsonl")
+    plans = {r["phase"]: r["planned_steps"] for r in log if r.get("event") == "schedule"}
+    assert plans == {"target": 4, "drafter": 4}  # calibrate_at 2 + warmup 2
+    for phase in ("target", "drafter"):
+        assert max(r["step"] for r in log if r.get("phase") == phase and "loss" in r) == 4
+
+
 # ---- manifest -----------------------------------------------------------------------------------
 @pytest.fixture
 def pair_copy(smoke, tmp_path):

@@ -31,6 +31,7 @@ from bundled_training.evaluate import evaluate_pair  # noqa: E402
 from bundled_training.target import count_parameters, load_saved_target, save_target, train_target  # noqa: E402
 
 EXIT_OUT_OF_TIME = 75
+TARGET_SHARE = 0.6  # of --minutes
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
     p.add_argument("--target-steps", type=int, help="override the target phase's step count")
     p.add_argument("--drafter-steps", type=int, help="override the drafter phase's step count")
+    p.add_argument("--minutes", type=float,
+                   help="training time to fit (both phases, the target gets 60%%): step counts are cut to fit, "
+                        "decided from the measured speed early in each phase and logged (never above the configured)")
     p.add_argument("--budget-minutes", type=float, help="checkpoint and exit 75 once this much wall time has passed")
     p.add_argument("--experts-impl", default="auto", choices=("auto", "eager", "batched_mm", "grouped_mm"),
                    help="transformers' MoE implementation while training the target (auto: its default)")
@@ -77,11 +81,16 @@ def main(argv=None) -> int:
     log.write(event="run", device=device_name(device), config=config_dict(cfg), argv=sys.argv[1:])
     corpus = load_corpus(max_files=cfg.max_files)
     try:
-        target, target_s = train_target(cfg, corpus, work, device, log, deadline, args.experts_impl)
+        budget = None if args.minutes is None else args.minutes * 60
+        target, target_s = train_target(cfg, corpus, work, device, log, deadline, args.experts_impl,
+                                        seconds_budget=None if budget is None else TARGET_SHARE * budget)
         save_target(target, pair / "target")
         frozen = load_saved_target(pair / "target", device)
-        drafter, drafter_s = train_drafter(cfg, corpus, frozen, work, device, log, deadline)
+        drafter, drafter_s = train_drafter(cfg, corpus, frozen, work, device, log, deadline,
+                                           seconds_budget=None if budget is None else budget - target_s)
         save_drafter(cfg, drafter, pair / "drafter")
+        if deadline.passed():  # both phases are checkpointed complete: the next call only evaluates
+            raise OutOfTime("training done, evaluation left")
     except OutOfTime as exc:
         log.write(event="out_of_time", message=str(exc))
         print(f"{exc}: checkpoint saved, run the same command again to resume", file=sys.stderr)

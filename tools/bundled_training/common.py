@@ -1,6 +1,7 @@
 """What both training phases share: the run's typed config, JSON-lines log, checkpoints, LR, time budget."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -8,6 +9,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -56,6 +58,7 @@ class PhaseConfig:
     log_every: int = 10
     eval_every: int = 250         # held-out loss (target) / accuracy (drafter) every this many steps
     checkpoint_every: int = 250
+    calibrate_at: int = 20        # with a time budget: steps are fitted to it from the speed of steps N/2..N
 
 
 @dataclass(frozen=True)
@@ -83,9 +86,9 @@ SMOKE = TrainConfig(
     drafter=DrafterShape(num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4, head_dim=4,
                          intermediate_size=48),
     target_phase=PhaseConfig(steps=4, batch=2, seq_len=64, lr=3e-3, warmup=2, log_every=1, eval_every=2,
-                             checkpoint_every=2),
+                             checkpoint_every=2, calibrate_at=2),
     drafter_phase=PhaseConfig(steps=4, batch=2, seq_len=64, lr=2e-3, warmup=2, log_every=1, eval_every=2,
-                              checkpoint_every=2),
+                              checkpoint_every=2, calibrate_at=2),
     anchors_per_seq=3, max_files=3, eval_prompts=2, eval_prompt_bytes=48, eval_new_tokens=12,
     eval_budgets=(4, 16), bpb_max_tokens=2048,
 )
@@ -155,3 +158,72 @@ def autocast(device: torch.device):
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return torch.autocast("cpu", enabled=False)
+
+
+def fitted_steps(phase: PhaseConfig, seconds_per_step: float, seconds_left: float) -> int:
+    """Steps that fit the time left, never more than configured nor fewer than calibrate_at + warmup."""
+    fit = int(seconds_left / max(seconds_per_step, 1e-9))
+    return max(min(phase.steps, fit), min(phase.steps, phase.calibrate_at + phase.warmup))
+
+
+def run_phase(name: str, phase: PhaseConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+              loss_fn: Callable[[int], tuple[torch.Tensor, dict]], eval_fn: Callable[[], dict],
+              after_step: Callable[[], dict] | None, ckpt_path: Path, log: RunLog, deadline: Deadline,
+              seconds_budget: float | None = None) -> float:
+    """The optimisation loop both phases share: LR schedule, clipping, JSON log, periodic held-out
+    eval, atomic checkpoints (resume = same batches, same weights), the invocation's deadline.
+
+    loss_fn(step) -> (loss, metrics) runs the forward for that step's deterministic batch.
+    seconds_budget: fit the step count to it (see fitted_steps), decided once at `calibrate_at`
+    from the measured speed and kept in the checkpoint. Returns the phase's training seconds.
+    """
+    state = load_checkpoint(ckpt_path)
+    step, elapsed, steps = 0, 0.0, phase.steps
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, elapsed, steps = state["step"], state["elapsed"], state["planned_steps"]
+        log.write(phase=name, event="resumed", step=step, planned_steps=steps)
+    else:
+        log.write(phase=name, event="start", parameters=sum(p.numel() for p in model.parameters() if p.requires_grad))
+    cuda = next(model.parameters()).is_cuda
+    marks: dict[int, float] = {}
+    model.train()
+    t0 = time.monotonic()
+    while step < steps:
+        plan = dataclasses.replace(phase, steps=steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(plan, step)
+        loss, metrics = loss_fn(step)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), phase.grad_clip)
+        optimizer.step()
+        metrics = {**metrics, **(after_step() if after_step else {})}
+        step += 1
+        if seconds_budget is not None and state is None and step in (phase.calibrate_at // 2, phase.calibrate_at):
+            if cuda:
+                torch.cuda.synchronize()
+            marks[step] = time.monotonic()
+            if len(marks) == 2:
+                per_step = (marks[phase.calibrate_at] - marks[phase.calibrate_at // 2]) / (
+                    phase.calibrate_at - phase.calibrate_at // 2)
+                spent = elapsed + marks[phase.calibrate_at] - t0
+                steps = fitted_steps(phase, per_step, seconds_budget - spent)
+                log.write(phase=name, event="schedule", seconds_per_step=per_step, seconds_budget=seconds_budget,
+                          planned_steps=steps, configured_steps=phase.steps)
+        if step % phase.log_every == 0 or step == steps:
+            now = time.monotonic()
+            elapsed, t0 = elapsed + now - t0, now
+            log.write(phase=name, step=step, loss=float(loss.detach()), lr=lr_at(plan, step - 1),
+                      grad_norm=float(grad_norm), elapsed_s=round(elapsed, 2), **metrics)
+        if step % phase.eval_every == 0 or step == steps:
+            log.write(phase=name, step=step, **eval_fn())
+            model.train()
+        if step % phase.checkpoint_every == 0 or step == steps:
+            elapsed, t0 = elapsed + time.monotonic() - t0, time.monotonic()
+            save_checkpoint(ckpt_path, model=model.state_dict(), optimizer=optimizer.state_dict(), step=step,
+                            elapsed=elapsed, planned_steps=steps)
+            if deadline.passed() and step < steps:
+                raise OutOfTime(f"{name} phase stopped at step {step}/{steps}")
+    return elapsed

@@ -13,16 +13,13 @@ state dict is the z-lab format by construction.
 from __future__ import annotations
 
 import json
-import math
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bundled_training.common import (Deadline, OutOfTime, RunLog, TrainConfig, autocast, load_checkpoint, lr_at,
-                                     save_checkpoint)
+from bundled_training.common import Deadline, RunLog, TrainConfig, autocast, run_phase
 from bundled_training.corpus import MASK, VOCAB_SIZE, Corpus, sample_windows
 from bundled_training.target import make_optimizer
 
@@ -133,53 +130,25 @@ def expected_accepted(accuracy: Tensor) -> float:
 
 
 def train_drafter(cfg: TrainConfig, corpus: Corpus, target, work: Path, device: torch.device, log: RunLog,
-                  deadline: Deadline):
-    """Trains (or resumes) the drafter against the frozen target; returns it in eval mode."""
+                  deadline: Deadline, seconds_budget: float | None = None):
+    """Trains (or resumes) the drafter against the frozen target; returns (drafter in eval mode, seconds)."""
     phase = cfg.drafter_phase
-    ckpt_path = work / "checkpoints" / "drafter.pt"
     drafter = build_drafter(cfg, work / "drafter_config", target, device)
-    optimizer = make_optimizer(drafter, phase)
-    state = load_checkpoint(ckpt_path)
-    step, elapsed = 0, 0.0
-    if state is not None:
-        drafter.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, elapsed = state["step"], state["elapsed"]
-        log.write(phase="drafter", event="resumed", step=step)
-    else:
-        log.write(phase="drafter", event="start", parameters=sum(p.numel() for p in drafter.parameters()))
     block = drafter.config.block_size
-    weights_seed = cfg.seed + 7
-    drafter.train()
-    t0 = time.monotonic()
-    while step < phase.steps:
-        tokens = sample_windows(corpus.train.tokens, phase.batch, phase.seq_len, weights_seed, step).to(device)
+
+    def loss_fn(step: int):
+        tokens = sample_windows(corpus.train.tokens, phase.batch, phase.seq_len, cfg.seed + 7, step).to(device)
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step + 17)
         anchors = sample_anchors(phase.batch, phase.seq_len, block, cfg.anchors_per_seq, g).to(device)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(phase, step)
         with autocast(device):
             loss, accuracy = drafter_loss(drafter, target, tokens, anchors, cfg.loss_decay)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), phase.grad_clip)
-        optimizer.step()
-        step += 1
-        if step % phase.log_every == 0 or step == phase.steps:
-            now = time.monotonic()
-            elapsed, t0 = elapsed + now - t0, now
-            log.write(phase="drafter", step=step, loss=float(loss.detach()), lr=lr_at(phase, step - 1),
-                      grad_norm=float(grad_norm), top1_first=float(accuracy[0]), top1_last=float(accuracy[-1]),
-                      chain_expected=expected_accepted(accuracy), elapsed_s=round(elapsed, 2))
-        if step % phase.eval_every == 0 or step == phase.steps:
-            log.write(phase="drafter", step=step, **heldout_accuracy(cfg, drafter, target, corpus, device))
-            drafter.train()
-        if step % phase.checkpoint_every == 0 or step == phase.steps:
-            elapsed, t0 = elapsed + time.monotonic() - t0, time.monotonic()
-            save_checkpoint(ckpt_path, model=drafter.state_dict(), optimizer=optimizer.state_dict(), step=step,
-                            elapsed=elapsed)
-            if deadline.passed() and step < phase.steps:
-                raise OutOfTime(f"drafter phase stopped at step {step}/{phase.steps}")
+        return loss, {"top1_first": float(accuracy[0]), "top1_last": float(accuracy[-1]),
+                      "chain_expected": expected_accepted(accuracy)}
+
+    elapsed = run_phase("drafter", phase, drafter, make_optimizer(drafter, phase), loss_fn=loss_fn,
+                        eval_fn=lambda: heldout_accuracy(cfg, drafter, target, corpus, device), after_step=None,
+                        ckpt_path=work / "checkpoints" / "drafter.pt", log=log, deadline=deadline,
+                        seconds_budget=seconds_budget)
     return drafter.eval(), elapsed
 
 

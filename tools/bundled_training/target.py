@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bundled_training.common import (Deadline, OutOfTime, PhaseConfig, RunLog, TrainConfig, autocast, load_checkpoint,
-                                     lr_at, save_checkpoint)
+from bundled_training.common import Deadline, PhaseConfig, RunLog, TrainConfig, autocast, run_phase
 from bundled_training.corpus import BOS, EOS, SPECIAL_TOKENS, VOCAB_SIZE, Corpus, sample_windows
 
 
@@ -121,57 +119,26 @@ def make_optimizer(model, phase: PhaseConfig) -> torch.optim.Optimizer:
 
 
 def train_target(cfg: TrainConfig, corpus: Corpus, work: Path, device: torch.device, log: RunLog,
-                 deadline: Deadline, experts_implementation: str = "auto"):
-    """Trains (or resumes) the target; returns the model in eval mode on `device`."""
+                 deadline: Deadline, experts_implementation: str = "auto", seconds_budget: float | None = None):
+    """Trains (or resumes) the target; returns (model in eval mode on `device`, training seconds)."""
     phase = cfg.target_phase
-    ckpt_path = work / "checkpoints" / "target.pt"
     model = build_target(cfg, experts_implementation).to(device)
-    optimizer = make_optimizer(model, phase)
     balancer = ExpertBalancer(model, cfg.expert_bias_rate)
-    state = load_checkpoint(ckpt_path)
-    step, elapsed = 0, 0.0
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, elapsed = state["step"], state["elapsed"]
-        log.write(phase="target", event="resumed", step=step)
-    else:
-        log.write(phase="target", event="start", parameters=count_parameters(model),
-                  train_tokens=int(corpus.train.tokens.numel()))
 
-    def checkpoint():
-        save_checkpoint(ckpt_path, model=model.state_dict(), optimizer=optimizer.state_dict(), step=step,
-                        elapsed=elapsed)
-
-    model.train()
-    t0 = time.monotonic()
-    while step < phase.steps:
+    def loss_fn(step: int):
         batch = sample_windows(corpus.train.tokens, phase.batch, phase.seq_len + 1, cfg.seed, step).to(device)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(phase, step)
         with autocast(device):
             loss = lm_loss(model, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), phase.grad_clip)
-        optimizer.step()
-        imbalance = balancer.update()
-        step += 1
-        if step % phase.log_every == 0 or step == phase.steps:
-            now = time.monotonic()
-            elapsed, t0 = elapsed + now - t0, now
-            log.write(phase="target", step=step, loss=float(loss.detach()), bpb=float(loss.detach()) / math.log(2),
-                      lr=lr_at(phase, step - 1), grad_norm=float(grad_norm), expert_imbalance=imbalance,
-                      tokens=step * phase.batch * phase.seq_len, elapsed_s=round(elapsed, 2))
-        if step % phase.eval_every == 0 or step == phase.steps:
-            log.write(phase="target", step=step, heldout_bpb=bits_per_byte(
-                model, corpus.held_out.tokens, device, phase.seq_len, cfg.bpb_max_tokens or 65536))
-            model.train()
-        if step % phase.checkpoint_every == 0 or step == phase.steps:
-            elapsed, t0 = elapsed + time.monotonic() - t0, time.monotonic()
-            checkpoint()
-            if deadline.passed() and step < phase.steps:
-                raise OutOfTime(f"target phase stopped at step {step}/{phase.steps}")
+        return loss, {"bpb": float(loss.detach()) / math.log(2), "tokens": (step + 1) * phase.batch * phase.seq_len}
+
+    def eval_fn():
+        return {"heldout_bpb": bits_per_byte(model, corpus.held_out.tokens, device, phase.seq_len,
+                                             cfg.bpb_max_tokens or 65536)}
+
+    elapsed = run_phase("target", phase, model, make_optimizer(model, phase), loss_fn=loss_fn, eval_fn=eval_fn,
+                        after_step=lambda: {"expert_imbalance": balancer.update()},
+                        ckpt_path=work / "checkpoints" / "target.pt", log=log, deadline=deadline,
+                        seconds_budget=seconds_budget)
     return model.eval(), elapsed
 
 
