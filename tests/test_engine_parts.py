@@ -97,6 +97,7 @@ LIMITS = Limits(vocab_size=100, max_context=64, max_tokens_limit=32, max_budget=
     (dict(prompt_ids=[1, 100]), "token id 100 is outside the vocabulary"),
     (dict(prompt_ids=[-1]), "token id -1 is outside"),
     (dict(max_tokens=-1), "max_tokens must be in 1..32"),
+    (dict(max_tokens=0), "max_tokens must be in 1..32, got 0"),
     (dict(max_tokens=33), "max_tokens must be in 1..32"),
     (dict(temperature=-0.5), "temperature must be"),
     (dict(temperature=math.nan), "temperature must be"),

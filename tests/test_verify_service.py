@@ -194,6 +194,7 @@ BAD = [
     (dict(token_ids=pb.TokenIds(ids=[1] * 4096)), "the context holds 4096"),
     (dict(token_ids=pb.TokenIds(ids=[1, 32])), "token id 32 is outside"),
     (dict(token_ids=OK, sampling=pb.SamplingParams(max_tokens=-3)), "max_tokens must be"),
+    (dict(token_ids=OK, sampling=pb.SamplingParams(max_tokens=0)), "max_tokens must be"),
     (dict(token_ids=OK, sampling=pb.SamplingParams(max_tokens=4001)), "max_tokens must be in 1..4000"),
     (dict(token_ids=OK, sampling=pb.SamplingParams(temperature=-1)), "temperature must be"),
     (dict(token_ids=OK, sampling=pb.SamplingParams(temperature=float("nan"))), "temperature must be"),

@@ -84,12 +84,12 @@ def parse_mode(name: str | None) -> Mode | None:
         raise InvalidRequest(f"unknown mode {name!r} (expected one of {sorted(MODE_NAMES)})") from None
 
 
-def validate_request(prompt_ids, *, limits: Limits, max_tokens: int = 0, temperature: float = 0.0,
+def validate_request(prompt_ids, *, limits: Limits, max_tokens: int | None = None, temperature: float = 0.0,
                      top_p: float = 0.0, top_k: int = 0, seed: int | None = None,
                      stop_token_ids=(), stop_strings=(), ignore_eos: bool = False,
                      mode: Mode | str | None = None, budget: int = 0, available_modes=tuple(Mode),
                      client_request_id: str = "", deadline: float | None = None) -> RequestSpec:
-    """Checks every field against `limits`; 0 means "server default" for max_tokens, top_p, budget."""
+    """Checks every field against `limits`; max_tokens None (unset) and 0 for top_p, budget mean "server default"."""
     prompt = tuple(int(t) for t in prompt_ids)
     if not prompt:
         raise InvalidRequest("prompt is empty")
@@ -100,7 +100,7 @@ def validate_request(prompt_ids, *, limits: Limits, max_tokens: int = 0, tempera
     if bad:
         raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})"
                              + (f" ({len(bad)} such ids)" if len(bad) > 1 else ""))
-    if max_tokens == 0:
+    if max_tokens is None:
         max_tokens = limits.default_max_tokens
     if not 0 < max_tokens <= limits.max_tokens_limit:
         raise InvalidRequest(f"max_tokens must be in 1..{limits.max_tokens_limit}, got {max_tokens}")

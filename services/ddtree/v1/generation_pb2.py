@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x64tree/v1/generation.proto\x12\tddtree.v1\"\xb5\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"B\n\x11SpeculationParams\x12\x1d\n\x04mode\x18\x01 \x01(\x0e\x32\x0f.ddtree.v1.Mode\x12\x0e\n\x06\x62udget\x18\x02 \x01(\x05\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd0\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.ddtree.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x31\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1c.ddtree.v1.SpeculationParams\x12\x19\n\x11\x63lient_request_id\x18\x05 \x01(\tB\x08\n\x06prompt\"\xe1\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x17\n\x0ftarget_forwards\x18\x04 \x01(\x05\x12\x1e\n\x16mean_acceptance_length\x18\x05 \x01(\x01\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.ddtree.v1.FinishReason\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x01\x12\x1d\n\x04mode\x18\x08 \x01(\x0e\x32\x0f.ddtree.v1.Mode\"\x7f\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65pted_length\x18\x03 \x01(\x05\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.ddtree.v1.Usage\x12\x13\n\x0b\x64\x65gradation\x18\x05 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x96\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x0f\n\x07tp_size\x18\x05 \x01(\x05\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x1e\n\x05modes\x18\t \x03(\x0e\x32\x0f.ddtree.v1.Mode\x12\x12\n\nmax_budget\x18\n \x01(\x05\x12\x18\n\x10max_tokens_limit\x18\x0b \x01(\x05\x12\x11\n\ttokenizer\x18\x0c \x01(\t\x12\x0f\n\x07version\x18\r \x01(\t*J\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bMODE_DDTREE\x10\x01\x12\x0e\n\nMODE_CHAIN\x10\x02\x12\x0b\n\x07MODE_AR\x10\x03*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\x96\x01\n\nGeneration\x12\x42\n\x08Generate\x12\x1a.ddtree.v1.GenerateRequest\x1a\x18.ddtree.v1.GenerateChunk0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.ddtree.v1.GetModelInfoRequest\x1a\x14.ddtree.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x64tree/v1/generation.proto\x12\tddtree.v1\"\xc9\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x07\n\x05_seed\"B\n\x11SpeculationParams\x12\x1d\n\x04mode\x18\x01 \x01(\x0e\x32\x0f.ddtree.v1.Mode\x12\x0e\n\x06\x62udget\x18\x02 \x01(\x05\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd0\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.ddtree.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x31\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1c.ddtree.v1.SpeculationParams\x12\x19\n\x11\x63lient_request_id\x18\x05 \x01(\tB\x08\n\x06prompt\"\xe1\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x17\n\x0ftarget_forwards\x18\x04 \x01(\x05\x12\x1e\n\x16mean_acceptance_length\x18\x05 \x01(\x01\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.ddtree.v1.FinishReason\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x01\x12\x1d\n\x04mode\x18\x08 \x01(\x0e\x32\x0f.ddtree.v1.Mode\"\x7f\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65pted_length\x18\x03 \x01(\x05\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.ddtree.v1.Usage\x12\x13\n\x0b\x64\x65gradation\x18\x05 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x96\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x0f\n\x07tp_size\x18\x05 \x01(\x05\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x1e\n\x05modes\x18\t \x03(\x0e\x32\x0f.ddtree.v1.Mode\x12\x12\n\nmax_budget\x18\n \x01(\x05\x12\x18\n\x10max_tokens_limit\x18\x0b \x01(\x05\x12\x11\n\ttokenizer\x18\x0c \x01(\t\x12\x0f\n\x07version\x18\r \x01(\t*J\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bMODE_DDTREE\x10\x01\x12\x0e\n\nMODE_CHAIN\x10\x02\x12\x0b\n\x07MODE_AR\x10\x03*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\x96\x01\n\nGeneration\x12\x42\n\x08Generate\x12\x1a.ddtree.v1.GenerateRequest\x1a\x18.ddtree.v1.GenerateChunk0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.ddtree.v1.GetModelInfoRequest\x1a\x14.ddtree.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ddtree.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=1190
-  _globals['_MODE']._serialized_end=1264
-  _globals['_FINISHREASON']._serialized_start=1267
-  _globals['_FINISHREASON']._serialized_end=1439
+  _globals['_MODE']._serialized_start=1210
+  _globals['_MODE']._serialized_end=1284
+  _globals['_FINISHREASON']._serialized_start=1287
+  _globals['_FINISHREASON']._serialized_end=1459
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=223
-  _globals['_SPECULATIONPARAMS']._serialized_start=225
-  _globals['_SPECULATIONPARAMS']._serialized_end=291
-  _globals['_TOKENIDS']._serialized_start=293
-  _globals['_TOKENIDS']._serialized_end=316
-  _globals['_GENERATEREQUEST']._serialized_start=319
-  _globals['_GENERATEREQUEST']._serialized_end=527
-  _globals['_USAGE']._serialized_start=530
-  _globals['_USAGE']._serialized_end=755
-  _globals['_GENERATECHUNK']._serialized_start=757
-  _globals['_GENERATECHUNK']._serialized_end=884
-  _globals['_GETMODELINFOREQUEST']._serialized_start=886
-  _globals['_GETMODELINFOREQUEST']._serialized_end=907
-  _globals['_MODELINFO']._serialized_start=910
-  _globals['_MODELINFO']._serialized_end=1188
-  _globals['_GENERATION']._serialized_start=1442
-  _globals['_GENERATION']._serialized_end=1592
+  _globals['_SAMPLINGPARAMS']._serialized_end=243
+  _globals['_SPECULATIONPARAMS']._serialized_start=245
+  _globals['_SPECULATIONPARAMS']._serialized_end=311
+  _globals['_TOKENIDS']._serialized_start=313
+  _globals['_TOKENIDS']._serialized_end=336
+  _globals['_GENERATEREQUEST']._serialized_start=339
+  _globals['_GENERATEREQUEST']._serialized_end=547
+  _globals['_USAGE']._serialized_start=550
+  _globals['_USAGE']._serialized_end=775
+  _globals['_GENERATECHUNK']._serialized_start=777
+  _globals['_GENERATECHUNK']._serialized_end=904
+  _globals['_GETMODELINFOREQUEST']._serialized_start=906
+  _globals['_GETMODELINFOREQUEST']._serialized_end=927
+  _globals['_MODELINFO']._serialized_start=930
+  _globals['_MODELINFO']._serialized_end=1208
+  _globals['_GENERATION']._serialized_start=1462
+  _globals['_GENERATION']._serialized_end=1612
 # @@protoc_insertion_point(module_scope)

@@ -80,7 +80,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         remaining = context.time_remaining()
         deadline = arrival + remaining if remaining is not None and math.isfinite(remaining) and remaining < 1e8 else None
         return validate_request(
-            prompt, limits=self.engine.limits, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+            prompt, limits=self.engine.limits, max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
+            temperature=s.temperature, top_p=s.top_p,
             top_k=s.top_k, seed=s.seed if s.HasField("seed") else None, stop_token_ids=s.stop_token_ids,
             stop_strings=s.stop_strings, ignore_eos=s.ignore_eos, mode=MODE_FROM_PB[sp.mode], budget=sp.budget,
             available_modes=self.engine.modes, client_request_id=request.client_request_id, deadline=deadline)
