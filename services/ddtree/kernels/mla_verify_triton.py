@@ -17,7 +17,6 @@ triton is imported; slow, for tests).
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -26,7 +25,6 @@ import triton.language as tl
 from .validate import check_verify_inputs, check_verify_values
 
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -35,9 +33,9 @@ def _verify_fwd(
     stride_qlr, stride_qlh, stride_qrr, stride_qrh,
     stride_cp, stride_cr, stride_tb,
     stride_or, stride_oh, stride_lr, stride_ls,
-    T, H, W, page_size, max_pages, num_pages, scale_log2,
+    T, H, W, page_size, max_pages, num_pages, scale_log2, num_splits,
     C: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PARTIAL: tl.constexpr,
+    PARTIAL: tl.constexpr, TAIL_MASK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -59,7 +57,7 @@ def _verify_fwd(
     prefix = prefix * (prefix > 0)  # (not tl.maximum(x, 0): the interpreter makes that 1-d)
     kv_len = prefix + T
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    per_split = tl.cdiv(n_tiles, num_splits)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, n_tiles)
     full_hi = tl.maximum(tl.minimum(hi, prefix // BLOCK_N), lo)  # tiles wholly in the prefix
@@ -99,12 +97,15 @@ def _verify_fwd(
         k_rope = tl.load(Cache + kv_off[:, None] + C + rr[None, :], mask=in_seq[:, None], other=0.0)
         s = tl.dot(q_lat, tl.trans(k_lat))
         s = tl.dot(q_rope, tl.trans(k_rope), s) * scale_log2
-        rel = tl.maximum(pos - prefix, 0)
-        in_tail = (pos >= prefix) & in_seq
-        word = tl.load(mask_row[:, None] + (rel // 64)[None, :],
-                       mask=row_ok[:, None] & in_tail[None, :], other=0)
-        bit = (word >> (rel % 64).to(tl.int64)[None, :]) & 1
-        visible = (pos < prefix)[None, :] | (bit != 0)
+        if TAIL_MASK:
+            rel = tl.maximum(pos - prefix, 0)
+            in_tail = (pos >= prefix) & in_seq
+            word = tl.load(mask_row[:, None] + (rel // 64)[None, :],
+                           mask=row_ok[:, None] & in_tail[None, :], other=0)
+            bit = (word >> (rel % 64).to(tl.int64)[None, :]) & 1
+            visible = (pos < prefix)[None, :] | (bit != 0)
+        else:  # benchmarks only: the whole tail visible, to price the mask
+            visible = in_seq[None, :] & row_ok[:, None]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
@@ -128,23 +129,27 @@ def _verify_fwd(
 
 
 @triton.jit
-def _merge_splits(OPart, LsePart, Out, Lse, n_rows, H, stride_or, stride_oh, stride_lr,
-                  C: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def _merge_splits(OPart, LsePart, Out, Lse, n_rows, H, num_splits, stride_or, stride_oh, stride_lr,
+                  C: tl.constexpr):
     """One program per (row, head): out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s."""
     r = tl.program_id(0).to(tl.int64)
-    ss = tl.arange(0, NUM_SPLITS)
     cc = tl.arange(0, C)
-    lse_s = tl.load(LsePart + ss * n_rows + r)
-    top = tl.max(lse_s, 0)
+    top = tl.load(LsePart + r)
+    for s in range(1, num_splits):
+        top = tl.maximum(top, tl.load(LsePart + s * n_rows + r))
     top_safe = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.exp(lse_s - top_safe)
-    total = tl.sum(w, 0)
-    o_s = tl.load(OPart + (ss.to(tl.int64) * n_rows + r)[:, None] * C + cc[None, :])
-    out = tl.sum(o_s * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    lse = tl.where(total > 0.0, top_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([C], tl.float32)
+    for s in range(0, num_splits):
+        w = tl.exp(tl.load(LsePart + s * n_rows + r) - top_safe)  # empty splits: exp(-inf) = 0
+        acc += w * tl.load(OPart + (s * n_rows + r) * C + cc)
+        total += w
+    seen = total > 0.0
+    out = acc / tl.where(seen, total, 1.0)
+    lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
     row, head = r // H, r % H
     tl.store(Out + row * stride_or + head * stride_oh + cc, out.to(Out.dtype.element_ty))
-    tl.store(Lse + row * stride_lr + head, lse)
+    tl.store(Lse + row * stride_lr + head + tl.arange(0, 1), lse)
 
 
 @functools.cache
@@ -156,19 +161,24 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def launch_config(rows_per_request: int, batch: int, device: torch.device) -> tuple[int, int, int, int, int]:
+SPLIT_WAVES = 2  # split the KV range until about this many programs per SM
+
+
+def launch_config(rows_per_request: int, batch: int, max_kv_len: int,
+                  device: torch.device) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, splits) for one call.
 
-    BLOCK_M 64 keeps the [64, 512] fp32 accumulator in registers; splits fill ~2 programs per SM
-    when few rows make few programs (the KV stream, not the rows, is then the work).
+    BLOCK_M 64 keeps the [64, C] fp32 accumulator in registers. When few rows make few programs,
+    the KV range is split until ~SPLIT_WAVES programs per SM, keeping >= 4 tiles per split.
+    max_kv_len is a host-side bound (block-table width x page size): no device sync.
     """
     block_m = min(64, max(16, _pow2(rows_per_request)))
+    block_n = 32
     programs = batch * triton.cdiv(rows_per_request, block_m)
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
-    splits = min(32, _pow2(max(1, -(-2 * sms // programs))))
-    if splits < 2:
-        splits = 1
-    return block_m, 32, 4 if block_m <= 32 else 8, 2, splits
+    max_splits = max(1, triton.cdiv(max_kv_len, block_n) // 4)
+    splits = max(1, min(max_splits, triton.cdiv(SPLIT_WAVES * sms, programs)))
+    return block_m, block_n, 4 if block_m <= 32 else 8, 3, splits
 
 
 def mla_verify_attention_triton(
@@ -184,6 +194,7 @@ def mla_verify_attention_triton(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     check_values: bool = False,
+    tail_mask: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as models.mla_attention.mla_verify_attention (see there); validated here.
 
@@ -191,6 +202,7 @@ def mla_verify_attention_triton(
     out/lse: optional preallocated outputs ([rows, h, C] q's dtype, [rows, h] float32).
     check_values: also check prefix_lens and block_table contents (a host sync on GPU). Without
     it, bad table entries are clamped in the kernel: wrong results, never a fault.
+    tail_mask=False: benchmarks only, every tail token visible (prices the bitmask).
     """
     b, t, heads, c, r = check_verify_inputs(q_latent, q_rope, cache, block_table, prefix_lens, mask,
                                             out, lse)
@@ -204,7 +216,8 @@ def mla_verify_attention_triton(
         lse = torch.empty(rows, heads, dtype=torch.float32, device=device)
     if rows == 0:
         return out, lse
-    block_m, block_n, warps, stages, splits = config or launch_config(t * heads, b, device)
+    block_m, block_n, warps, stages, splits = config or launch_config(
+        t * heads, b, block_table.shape[1] * cache.shape[1], device)
     mask64 = mask.view(torch.int64) if mask.dtype == torch.uint64 else mask
     mask64 = mask64.contiguous()
     table = block_table.contiguous()
@@ -212,11 +225,12 @@ def mla_verify_attention_triton(
     if device.type != "cuda" and not triton.knobs.runtime.interpret:
         raise ValueError("CPU tensors run only under Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)")
     fwd, merge = _verify_fwd, _merge_splits
-    common = dict(C=c, R=r, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits)
+    common = dict(C=c, R=r, BLOCK_M=block_m, BLOCK_N=block_n, TAIL_MASK=tail_mask)
     launch = dict(num_warps=warps, num_stages=stages) if device.type == "cuda" else {}
     scalars = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
                cache.stride(0), cache.stride(1), table.stride(0))
-    tail = (t, heads, mask64.shape[-1], cache.shape[1], table.shape[1], cache.shape[0], softmax_scale * _LOG2E)
+    tail = (t, heads, mask64.shape[-1], cache.shape[1], table.shape[1], cache.shape[0], softmax_scale * _LOG2E,
+            splits)
     if splits == 1:
         fwd[grid](q_latent, q_rope, cache, table, prefix_lens, mask64, out, lse, *scalars,
                   out.stride(0), out.stride(1), lse.stride(0), 0, *tail, PARTIAL=False, **common, **launch)
@@ -225,6 +239,6 @@ def mla_verify_attention_triton(
     lse_part = torch.empty(splits, rows * heads, dtype=torch.float32, device=device)
     fwd[grid](q_latent, q_rope, cache, table, prefix_lens, mask64, o_part, lse_part, *scalars,
               0, 0, 0, rows * heads, *tail, PARTIAL=True, **common, **launch)
-    merge[(rows * heads,)](o_part, lse_part, out, lse, rows * heads, heads, out.stride(0), out.stride(1),
-                           lse.stride(0), C=c, NUM_SPLITS=splits, **({"num_warps": 4} if launch else {}))
+    merge[(rows * heads,)](o_part, lse_part, out, lse, rows * heads, heads, splits, out.stride(0),
+                           out.stride(1), lse.stride(0), C=c, **({"num_warps": 4} if launch else {}))
     return out, lse

@@ -1,0 +1,246 @@
+"""Tree-verify MLA attention (issue 6): the Triton kernel against its ceilings, in one run.
+
+For batch x tree nodes (rows per request; 1 = decode) x heads x prefix: device time (median,
+CUDA events), achieved TFLOP/s and GB/s, and side by side in the same run
+  mm      a bf16 matmul (cuBLAS, n x n x n) of the same FLOPs
+  copy    a device-to-device copy of the same bytes (read + write)
+  ref     the torch reference path (mla_verify_attention_reference; skipped where it needs > 4 GB)
+  nomask  the same kernel with the tail bitmask off (prices the mask)
+FLOPs = rows*h * (prefix + nodes) * 2 * (576 + 512); bytes = latent KV read once (576 x 2 per
+token) + queries + outputs. Small cases fit in the 60 MB L2 for the kernel and the copy alike.
+
+    python benchmarks/bench_verify_attn.py --out benchmarks/results/h200      # appends to kernels.txt
+    python benchmarks/bench_verify_attn.py --variants    # launch configs on a few shapes
+    python benchmarks/bench_verify_attn.py --resources   # no GPU: ptxas registers/spills per config
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_tree import device_us  # noqa: E402
+
+C, R = 512, 64
+PAGE = 64
+BATCHES = (1, 16, 64)
+NODES = (1, 16, 64)
+HEADS = (8, 16)
+PREFIXES = (1024, 8192, 32768)
+
+
+def counts(batch: int, nodes: int, heads: int, prefix: int) -> tuple[float, float]:
+    kv_tokens = prefix + nodes
+    flops = batch * nodes * heads * kv_tokens * 2 * (C + R + C)
+    nbytes = batch * kv_tokens * (C + R) * 2 + batch * nodes * heads * ((C + R) * 2 + C * 2 + 4)
+    return flops, nbytes
+
+
+class Workload:
+    """One shared paged cache (random bf16) big enough for the largest case; per case a random
+    block table, random queries and the masks of real draft trees."""
+
+    def __init__(self, max_batch: int, max_prefix: int, max_nodes: int):
+        per_seq = -(-(max_prefix + max_nodes) // PAGE)
+        self.cache = torch.randn(max_batch * per_seq, PAGE, C + R, device="cuda", dtype=torch.bfloat16)
+
+    def case(self, batch: int, nodes: int, heads: int, prefix: int, gen: torch.Generator):
+        from ddtree.models.mla_attention import causal_bitmask
+        from ddtree.tree import build_trees
+        from ddtree.tree.samples import random_topk
+        need = -(-(prefix + nodes) // PAGE)
+        perm = torch.randperm(self.cache.shape[0], generator=gen)[: batch * need]
+        table = perm.view(batch, need).int().cuda()
+        prefix_lens = torch.full((batch,), prefix, dtype=torch.int64, device="cuda")
+        if nodes == 1:
+            mask = causal_bitmask(1).expand(batch, -1, -1).contiguous()
+        else:
+            lp, ids = random_topk(batch, 16, 8, generator=gen)
+            mask = build_trees(lp, ids, nodes - 1, backend="reference").mask
+        q_latent = torch.randn(batch * nodes, heads, C, device="cuda", dtype=torch.bfloat16)
+        q_rope = torch.randn(batch * nodes, heads, R, device="cuda", dtype=torch.bfloat16)
+        return q_latent, q_rope, self.cache, table, prefix_lens, mask.cuda()
+
+
+def timed(fn, budget_s: float = 0.08, min_reps: int = 5) -> float:
+    """Median device microseconds, with as many repetitions as fit in about budget_s."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once = max(time.perf_counter() - start, 1e-6)
+    reps = int(min(100, max(min_reps, budget_s / once)))
+    return device_us(fn, reps=reps, warmup=2)
+
+
+def matmul_us(flops: float) -> tuple[float, float]:
+    n = max(128, int(round((flops / 2) ** (1 / 3) / 64)) * 64)
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return timed(lambda: torch.mm(a, b)), 2.0 * n**3
+
+
+def copy_us(nbytes: float) -> float:
+    elems = max(1024, int(nbytes / 2 / 2))  # bf16 elements; a copy reads and writes them
+    src = torch.randn(elems, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return timed(lambda: dst.copy_(src))
+
+
+def run_grid(args) -> list[dict]:
+    from ddtree.kernels import mla_verify_attention_triton
+    from ddtree.models.mla_attention import mla_verify_attention_reference
+    work = Workload(max(BATCHES), max(PREFIXES), max(NODES))
+    gen = torch.Generator().manual_seed(0)
+    rows, deadline = [], time.monotonic() + args.seconds
+    # Most telling cases first, so a deadline cuts the least informative ones.
+    for heads in (16, 8):
+        for nodes in (64, 16, 1):
+            for batch in (16, 64, 1):
+                for prefix in (8192, 32768, 1024):
+                    if time.monotonic() > deadline:
+                        print(f"deadline: skipped b={batch} n={nodes} h={heads} p={prefix}", flush=True)
+                        continue
+                    inputs = work.case(batch, nodes, heads, prefix, gen)
+                    scale = (C + R) ** -0.5
+                    flops, nbytes = counts(batch, nodes, heads, prefix)
+                    row = dict(batch=batch, nodes=nodes, heads=heads, prefix=prefix, flops=flops, bytes=nbytes)
+                    row["us"] = timed(lambda: mla_verify_attention_triton(*inputs, scale))
+                    row["nomask_us"] = (timed(lambda: mla_verify_attention_triton(*inputs, scale, tail_mask=False))
+                                        if nodes > 1 else float("nan"))
+                    mm_us, mm_flops = matmul_us(flops)
+                    row["mm_tflops"] = mm_flops / mm_us / 1e6
+                    row["copy_gbs"] = nbytes / copy_us(nbytes) / 1e3
+                    ref_bytes = batch * nodes * heads * (prefix + nodes) * 4 * 3 + batch * (prefix + nodes) * (C + R) * 4 * 2
+                    row["ref_us"] = (timed(lambda: mla_verify_attention_reference(*inputs, scale), 0.05, 3)
+                                     if ref_bytes < 4e9 else float("nan"))
+                    rows.append(row)
+                    print(format_row(row), flush=True)
+    return rows
+
+
+HEADER = ("verify_attn  batch nodes  h  prefix      us   TFLOP/s  %mm   GB/s  %copy  mask%   ref_us  xref"
+          "   mm_TFLOP/s copy_GB/s")
+
+
+def format_row(r: dict) -> str:
+    tflops = r["flops"] / r["us"] / 1e6
+    gbs = r["bytes"] / r["us"] / 1e3
+    mask = 100.0 * (r["us"] / r["nomask_us"] - 1.0) if r["nomask_us"] == r["nomask_us"] else float("nan")
+    xref = r["ref_us"] / r["us"] if r["ref_us"] == r["ref_us"] else float("nan")
+    return (f"verify_attn {r['batch']:6d} {r['nodes']:5d} {r['heads']:2d} {r['prefix']:7d} {r['us']:8.1f}"
+            f" {tflops:8.1f} {100 * tflops / r['mm_tflops']:4.0f} {gbs:6.0f} {100 * gbs / r['copy_gbs']:5.0f}"
+            f" {mask:6.1f} {r['ref_us']:8.0f} {xref:5.1f} {r['mm_tflops']:10.1f} {r['copy_gbs']:9.0f}")
+
+
+def run_variants(args) -> None:
+    """Launch configs (BLOCK_M, BLOCK_N, warps, stages, splits) on a few shapes, same run."""
+    from ddtree.kernels import launch_config, mla_verify_attention_triton
+    work = Workload(16, 32768, 64)
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(16, 64, 16, 8192), (4, 64, 16, 32768), (1, 1, 16, 32768), (16, 1, 16, 8192), (1, 16, 8, 8192)]
+    deadline = time.monotonic() + args.seconds
+    for batch, nodes, heads, prefix in shapes:
+        inputs = work.case(batch, nodes, heads, prefix, gen)
+        default = launch_config(nodes * heads, batch, inputs[3].shape[1] * PAGE, torch.device("cuda"))
+        bm, bn, w, st, sp = default
+        configs = [default]
+        if bm == 64:
+            configs += [(64, 32, 8, 2, sp), (64, 16, 8, 3, sp), (64, 16, 8, 4, sp)]
+        else:
+            configs += [(bm, 64, 4, 2, sp), (bm, bn, w, st, max(1, sp // 2)), (bm, bn, w, st, sp * 2)]
+        flops, nbytes = counts(batch, nodes, heads, prefix)
+        for cfg in configs:
+            if time.monotonic() > deadline:
+                print("variants: deadline", flush=True)
+                return
+            try:
+                us = timed(lambda: mla_verify_attention_triton(*inputs, 0.05, config=cfg))
+            except Exception as e:  # e.g. out of shared memory for a config: report, go on
+                print(f"variant b={batch} n={nodes} h={heads} p={prefix} {cfg}: failed {type(e).__name__}: {e}"[:300])
+                continue
+            tag = " (default)" if cfg == default else ""
+            print(f"variant b={batch:3d} n={nodes:3d} h={heads:2d} p={prefix:6d} {cfg}: {us:9.1f} us "
+                  f"{flops / us / 1e6:7.1f} TFLOP/s {nbytes / us / 1e3:6.0f} GB/s{tag}", flush=True)
+
+
+def resources() -> None:
+    """Compile the kernel for sm_90 without a GPU and print ptxas's registers/spills per config
+    (pointer and stride arguments marked 16-divisible, as Triton specializes them at launch)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ddtree.kernels.mla_verify_triton import _verify_fwd
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    names = _verify_fwd.arg_names
+    aligned = {"QLat", "QRope", "Cache", "Table", "Prefix", "Mask", "Out", "Lse", "stride_qlr", "stride_qlh",
+               "stride_qrr", "stride_qrh", "stride_cp", "stride_cr", "stride_or", "stride_oh", "stride_lr"}
+    for bm, bn, warps, stages, partial in [(64, 32, 8, 3, False), (64, 32, 8, 2, False), (64, 64, 8, 2, False),
+                                           (64, 16, 8, 3, False), (16, 32, 4, 3, True), (16, 64, 4, 2, True)]:
+        const = dict(C=C, R=R, BLOCK_M=bm, BLOCK_N=bn, PARTIAL=partial, TAIL_MASK=True)
+        sig = {n: "i32" for n in names}
+        sig.update({n: "*bf16" for n in ("QLat", "QRope", "Cache", "Out")})
+        sig.update(Table="*i32", Prefix="*i64", Mask="*i64", Lse="*fp32", scale_log2="fp32", **dict.fromkeys(const, "constexpr"))
+        if partial:
+            sig["Out"] = "*fp32"
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        kernel = triton.compile(ASTSource(_verify_fwd, sig, const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=warps, num_stages=stages))
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, "k.ptx").write_text(kernel.asm["ptx"])
+            info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.o"],
+                                  capture_output=True, text=True).stderr
+        lines = [ln.split(":", 1)[-1].strip() for ln in info.splitlines() if "registers" in ln or "spill" in ln]
+        print(f"BLOCK_M={bm} BLOCK_N={bn} warps={warps} stages={stages} partial={partial}: smem "
+              f"{kernel.metadata.shared} B, wgmma {kernel.asm['ptx'].count('wgmma.mma_async')}; {'; '.join(lines)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help="folder whose kernels.txt gets the rows appended")
+    parser.add_argument("--seconds", type=float, default=120.0, help="stop starting new cases after this")
+    parser.add_argument("--variants", action="store_true")
+    parser.add_argument("--resources", action="store_true")
+    args = parser.parse_args(argv)
+    if args.resources:
+        resources()
+        return 0
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.variants:
+        run_variants(args)
+        return 0
+    print(HEADER, flush=True)
+    rows = run_grid(args)
+    table = "\n".join(format_row(r) for r in sorted(rows, key=lambda r: (r["heads"], r["nodes"], r["batch"], r["prefix"])))
+    props = torch.cuda.get_device_properties(0)
+    import triton
+    text = (f"\nTree-verify MLA attention (Triton), bf16, latent 512 + rope 64, page {PAGE}; median device time (CUDA events)\n"
+            f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}\n"
+            f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
+            f"command: python benchmarks/bench_verify_attn.py --out benchmarks/results/h200\n"
+            "%mm: kernel TFLOP/s over a bf16 cuBLAS matmul of the same FLOPs; %copy: kernel GB/s over a\n"
+            "device copy of the same bytes; mask%: time over the same kernel with the tail mask off;\n"
+            "xref: torch reference time over kernel time (nan: reference skipped, > 4 GB)\n"
+            f"{HEADER}\n{table}\n")
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "kernels.txt", "a") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
