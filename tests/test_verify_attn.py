@@ -120,7 +120,7 @@ def test_matches_float64_reference(tail, heads, prefixes, page_size, kind):
     check_against_reference(inputs, scale=(C + R) ** -0.5)
 
 
-@pytest.mark.parametrize("config", [(16, 16, 4, 1, 1), (16, 16, 4, 1, 4), (32, 32, 4, 2, 8)])
+@pytest.mark.parametrize("config", [(16, 16, 4, 1, 1), (16, 16, 4, 1, 4), (32, 32, 4, 2, 8), (16, 16, 4, 1, 40)])
 def test_split_counts_and_tiles_agree_with_reference(config):
     """Splits beyond the tiles a request has (empty splits) and tiles across page boundaries."""
     gen = torch.Generator().manual_seed(7)

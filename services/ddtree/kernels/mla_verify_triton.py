@@ -130,26 +130,35 @@ def _verify_fwd(
 
 @triton.jit
 def _merge_splits(OPart, LsePart, Out, Lse, n_rows, H, num_splits, stride_or, stride_oh, stride_lr,
-                  C: tl.constexpr):
-    """One program per (row, head): out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s."""
+                  C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program (row*head, column block): out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s.
+    Splits are read BLOCK_S at a time, so many loads are in flight even with few rows."""
     r = tl.program_id(0).to(tl.int64)
-    cc = tl.arange(0, C)
-    top = tl.load(LsePart + r)
-    for s in range(1, num_splits):
-        top = tl.maximum(top, tl.load(LsePart + s * n_rows + r))
+    cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ss = tl.arange(0, BLOCK_S)
+    top = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        top = tl.maximum(top, tl.load(LsePart + (s0 + ss) * n_rows + r, mask=s0 + ss < num_splits,
+                                      other=float("-inf")))
+    top = tl.max(top, 0)
     top_safe = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros([1], tl.float32)
-    acc = tl.zeros([C], tl.float32)
-    for s in range(0, num_splits):
-        w = tl.exp(tl.load(LsePart + s * n_rows + r) - top_safe)  # empty splits: exp(-inf) = 0
-        acc += w * tl.load(OPart + (s * n_rows + r) * C + cc)
+    total = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        ok = s0 + ss < num_splits
+        w = tl.exp(tl.load(LsePart + (s0 + ss) * n_rows + r, mask=ok, other=float("-inf")) - top_safe)
+        o = tl.load(OPart + ((s0 + ss).to(tl.int64) * n_rows + r)[:, None] * C + cc[None, :],
+                    mask=ok[:, None], other=0.0)
+        acc += w[:, None] * o  # empty splits: lse -inf, weight 0
         total += w
-    seen = total > 0.0
-    out = acc / tl.where(seen, total, 1.0)
-    lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    total_all = tl.sum(total, 0)
+    seen = total_all > 0.0
+    out = tl.sum(acc, 0) / tl.where(seen, total_all, 1.0)
     row, head = r // H, r % H
     tl.store(Out + row * stride_or + head * stride_oh + cc, out.to(Out.dtype.element_ty))
-    tl.store(Lse + row * stride_lr + head + tl.arange(0, 1), lse)
+    if tl.program_id(1) == 0:
+        lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total_all, 1.0)), float("-inf"))
+        tl.store(Lse + row * stride_lr + head, lse)
 
 
 @functools.cache
@@ -239,6 +248,8 @@ def mla_verify_attention_triton(
     lse_part = torch.empty(splits, rows * heads, dtype=torch.float32, device=device)
     fwd[grid](q_latent, q_rope, cache, table, prefix_lens, mask64, o_part, lse_part, *scalars,
               0, 0, 0, rows * heads, *tail, PARTIAL=True, **common, **launch)
-    merge[(rows * heads,)](o_part, lse_part, out, lse, rows * heads, heads, splits, out.stride(0),
-                           out.stride(1), lse.stride(0), C=c, **({"num_warps": 4} if launch else {}))
+    block_c = min(c, 128)
+    merge[(rows * heads, c // block_c)](o_part, lse_part, out, lse, rows * heads, heads, splits, out.stride(0),
+                                        out.stride(1), lse.stride(0), C=c, BLOCK_C=block_c, BLOCK_S=16,
+                                        **({"num_warps": 4} if launch else {}))
     return out, lse
