@@ -95,6 +95,7 @@ def main(argv=None) -> int:
         log.write(event="out_of_time", message=str(exc))
         print(f"{exc}: checkpoint saved, run the same command again to resume", file=sys.stderr)
         return EXIT_OUT_OF_TIME
+    publish(pair, work, args.out)  # the weights come back even if the evaluation fails
     sizes = {"target_parameters": count_parameters(target), "drafter_parameters": count_parameters(drafter),
              "target_bytes": sum(p.stat().st_size for p in (pair / "target").iterdir()),
              "drafter_bytes": sum(p.stat().st_size for p in (pair / "drafter").iterdir())}
@@ -113,12 +114,18 @@ def main(argv=None) -> int:
     manifest = write_manifest(pair)
     write_json(work / "eval.json", evaluation)
     log.write(event="done", out=str(args.out), total_bytes=manifest["total_bytes"])
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    shutil.copytree(pair, args.out)
-    for record in ("train_log.jsonl", "eval.json"):
-        shutil.copy2(work / record, args.out / record)
+    publish(pair, work, args.out)
     return 0
+
+
+def publish(pair: Path, work: Path, out: Path) -> None:
+    """out = the pair (+ card and manifest once written) + the run's records."""
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(pair, out)
+    for record in ("train_log.jsonl", "eval.json"):
+        if (work / record).is_file():
+            shutil.copy2(work / record, out / record)
 
 
 if __name__ == "__main__":

@@ -66,8 +66,9 @@ class TrainConfig:
     seed: int = 0
     target: TargetShape = TargetShape()
     drafter: DrafterShape = DrafterShape()
-    target_phase: PhaseConfig = PhaseConfig(steps=3000, batch=64, seq_len=512, lr=3e-3, warmup=100)
-    drafter_phase: PhaseConfig = PhaseConfig(steps=1500, batch=32, seq_len=512, lr=2e-3, warmup=100)
+    # Step counts are ceilings: `--minutes` cuts them to the measured speed (no GPU timing exists yet).
+    target_phase: PhaseConfig = PhaseConfig(steps=5000, batch=64, seq_len=512, lr=3e-3, warmup=100)
+    drafter_phase: PhaseConfig = PhaseConfig(steps=2500, batch=32, seq_len=512, lr=2e-3, warmup=100)
     anchors_per_seq: int = 24          # blocks per training sequence (distinct random anchors)
     loss_decay: float = 7.0            # drafter loss weight of block position k: exp(-(k - 1) / decay)
     expert_bias_rate: float = 1e-2     # aux-loss-free balancing: bias += rate * sign(mean load - load) (1e-3 collapsed in a short CPU run)

@@ -68,13 +68,15 @@ def run_mode(engine, prompts: list[list[int]], mode: str, budget: int, new_token
 def evaluate_pair(cfg: TrainConfig, corpus: Corpus, target_dir: Path, drafter_dir: Path, device: str) -> dict:
     """Held-out bits per byte (transformers, on the saved weights), sample completions and acceptance
     for ar, chain and ddtree at each budget (our engine, greedy; float32 so the numbers are the CPU
-    demo's). Every spec-decoding output is checked equal to ar's."""
+    demo's). Every spec-decoding output is compared with ar's: differences are recorded (and shown
+    in the card), not raised, so a rounding tie cannot throw away a finished training run."""
     from transformers import DeepseekV3ForCausalLM
 
     from ddtree.engine.engine import EngineConfig
     from ddtree.engine.loader import ModelSetup, build_local_engine
 
     dev = torch.device(device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 here (training allowed TF32)
     hf = DeepseekV3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(dev).eval()
     bpb = bits_per_byte(hf, corpus.held_out.tokens, dev, cfg.target_phase.seq_len, cfg.bpb_max_tokens)
     del hf
@@ -92,10 +94,10 @@ def evaluate_pair(cfg: TrainConfig, corpus: Corpus, target_dir: Path, drafter_di
     finally:
         engine.stop()
     reference = runs[0]["outputs"]
-    for run in runs[1:]:
-        if run["outputs"] != reference:
-            bad = next(i for i, (a, b) in enumerate(zip(run["outputs"], reference)) if a != b)
-            raise RuntimeError(f"greedy {run['mode']} (budget {run['budget']}) differs from ar on prompt {bad}")
+    mismatches = [{"mode": run["mode"], "budget": run["budget"], "prompt": i,
+                   "first_differing_token": next((k for k, (a, b) in enumerate(zip(got, want)) if a != b),
+                                                 min(len(got), len(want)))}
+                  for run in runs[1:] for i, (got, want) in enumerate(zip(run["outputs"], reference)) if got != want]
     samples = [{"file": rel, "prompt": p.decode("utf-8", "replace"),
                 "completion": bytes(t for t in out if t < 256).decode("utf-8", "replace")}
                for (rel, p), out in list(zip(chosen, reference))[:4]]
@@ -104,5 +106,6 @@ def evaluate_pair(cfg: TrainConfig, corpus: Corpus, target_dir: Path, drafter_di
     return {"heldout_bits_per_byte": bpb, "heldout_files": len(corpus.held_out.files),
             "heldout_bytes": corpus.held_out.num_bytes, "prompts": len(prompts),
             "prompt_bytes": cfg.eval_prompt_bytes, "new_tokens": cfg.eval_new_tokens, "device": device,
-            "max_top_k": config.max_top_k, "greedy_outputs_equal_ar": True, "runs": runs, "samples": samples,
+            "max_top_k": config.max_top_k, "greedy_outputs_equal_ar": not mismatches, "mismatches": mismatches,
+            "runs": runs, "samples": samples,
             "stdlib_root": str(stdlib_root())}
