@@ -236,6 +236,8 @@ def test_minutes_fit_the_step_counts(tmp_path):
     assert plans == {"target": 4, "drafter": 4}  # calibrate_at 2 + warmup 2
     for phase in ("target", "drafter"):
         assert max(r["step"] for r in log if r.get("phase") == phase and "loss" in r) == 4
+    card = (tmp_path / "pair" / "MODEL_CARD.md").read_text()
+    assert "Target: 4 steps" in card and "Drafter: 4 steps" in card and "--target-steps 4 --drafter-steps 4" in card
 
 
 # ---- manifest -----------------------------------------------------------------------------------

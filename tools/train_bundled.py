@@ -82,11 +82,11 @@ def main(argv=None) -> int:
     corpus = load_corpus(max_files=cfg.max_files)
     try:
         budget = None if args.minutes is None else args.minutes * 60
-        target, target_s = train_target(cfg, corpus, work, device, log, deadline, args.experts_impl,
+        target, target_s, target_steps = train_target(cfg, corpus, work, device, log, deadline, args.experts_impl,
                                         seconds_budget=None if budget is None else TARGET_SHARE * budget)
         save_target(target, pair / "target")
         frozen = load_saved_target(pair / "target", device)
-        drafter, drafter_s = train_drafter(cfg, corpus, frozen, work, device, log, deadline,
+        drafter, drafter_s, drafter_steps = train_drafter(cfg, corpus, frozen, work, device, log, deadline,
                                            seconds_budget=None if budget is None else budget - target_s)
         save_drafter(cfg, drafter, pair / "drafter")
         if deadline.passed():  # both phases are checkpointed complete: the next call only evaluates
@@ -108,7 +108,8 @@ def main(argv=None) -> int:
                           for r in evaluation["runs"]})
     command = "python tools/train_bundled.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     card = render_card(config=config_dict(cfg), corpus=corpus_summary(corpus), sizes=sizes,
-                       timing={"device": device_name(device), "target_s": target_s, "drafter_s": drafter_s},
+                       timing={"device": device_name(device), "target_s": target_s, "drafter_s": drafter_s,
+                               "target_steps": target_steps, "drafter_steps": drafter_steps},
                        evaluation=evaluation, command=command)
     (pair / "MODEL_CARD.md").write_text(card)
     manifest = write_manifest(pair)

@@ -40,12 +40,13 @@ def render_card(*, config: dict, corpus: dict, sizes: dict, timing: dict, evalua
         f"held out `{corpus['heldout_sha256'][:16]}`. Held-out files: {', '.join(corpus['heldout_list'])}.", "",
         "## Training", "",
         f"Device: {timing['device']}; torch {torch.__version__}; seed {config['seed']}.",
-        f"Target: {config['target_phase']['steps']} steps of {config['target_phase']['batch']} x "
+        f"Target: {timing['target_steps']} steps of {config['target_phase']['batch']} x "
         f"{config['target_phase']['seq_len']} tokens, AdamW, peak LR {config['target_phase']['lr']}, "
-        f"{timing['target_s']:.0f} s. Drafter: {config['drafter_phase']['steps']} steps of "
+        f"{timing['target_s']:.0f} s. Drafter: {timing['drafter_steps']} steps of "
         f"{config['drafter_phase']['batch']} sequences x {config['anchors_per_seq']} anchor blocks, "
         f"{timing['drafter_s']:.0f} s (target frozen). Loss curves: train_log.jsonl of the run.",
-        f"Command: `{command}`", "",
+        f"Command: `{command}` (the same schedule on any machine: add `--target-steps {timing['target_steps']} "
+        f"--drafter-steps {timing['drafter_steps']}` and drop `--minutes`).", "",
         "Architecture (target): " + ", ".join(f"{k}={v}" for k, v in config["target"].items()) + ".",
         "Architecture (drafter): " + ", ".join(f"{k}={v}" for k, v in config["drafter"].items()) + ".", "",
         "## Evaluation (held out)", "",

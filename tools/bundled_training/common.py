@@ -170,13 +170,13 @@ def fitted_steps(phase: PhaseConfig, seconds_per_step: float, seconds_left: floa
 def run_phase(name: str, phase: PhaseConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
               loss_fn: Callable[[int], tuple[torch.Tensor, dict]], eval_fn: Callable[[], dict],
               after_step: Callable[[], dict] | None, ckpt_path: Path, log: RunLog, deadline: Deadline,
-              seconds_budget: float | None = None) -> float:
+              seconds_budget: float | None = None) -> tuple[float, int]:
     """The optimisation loop both phases share: LR schedule, clipping, JSON log, periodic held-out
     eval, atomic checkpoints (resume = same batches, same weights), the invocation's deadline.
 
     loss_fn(step) -> (loss, metrics) runs the forward for that step's deterministic batch.
     seconds_budget: fit the step count to it (see fitted_steps), decided once at `calibrate_at`
-    from the measured speed and kept in the checkpoint. Returns the phase's training seconds.
+    from the measured speed and kept in the checkpoint. Returns (training seconds, steps run).
     """
     state = load_checkpoint(ckpt_path)
     step, elapsed, steps = 0, 0.0, phase.steps
@@ -227,4 +227,4 @@ def run_phase(name: str, phase: PhaseConfig, model: torch.nn.Module, optimizer: 
                             elapsed=elapsed, planned_steps=steps)
             if deadline.passed() and step < steps:
                 raise OutOfTime(f"{name} phase stopped at step {step}/{steps}")
-    return elapsed
+    return elapsed, steps

@@ -131,7 +131,7 @@ def expected_accepted(accuracy: Tensor) -> float:
 
 def train_drafter(cfg: TrainConfig, corpus: Corpus, target, work: Path, device: torch.device, log: RunLog,
                   deadline: Deadline, seconds_budget: float | None = None):
-    """Trains (or resumes) the drafter against the frozen target; returns (drafter in eval mode, seconds)."""
+    """Trains (or resumes) the drafter against the frozen target; returns (drafter in eval mode, seconds, steps)."""
     phase = cfg.drafter_phase
     drafter = build_drafter(cfg, work / "drafter_config", target, device)
     block = drafter.config.block_size
@@ -145,11 +145,11 @@ def train_drafter(cfg: TrainConfig, corpus: Corpus, target, work: Path, device: 
         return loss, {"top1_first": float(accuracy[0]), "top1_last": float(accuracy[-1]),
                       "chain_expected": expected_accepted(accuracy)}
 
-    elapsed = run_phase("drafter", phase, drafter, make_optimizer(drafter, phase), loss_fn=loss_fn,
+    elapsed, steps = run_phase("drafter", phase, drafter, make_optimizer(drafter, phase), loss_fn=loss_fn,
                         eval_fn=lambda: heldout_accuracy(cfg, drafter, target, corpus, device), after_step=None,
                         ckpt_path=work / "checkpoints" / "drafter.pt", log=log, deadline=deadline,
                         seconds_budget=seconds_budget)
-    return drafter.eval(), elapsed
+    return drafter.eval(), elapsed, steps
 
 
 @torch.no_grad()

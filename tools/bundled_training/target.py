@@ -120,7 +120,7 @@ def make_optimizer(model, phase: PhaseConfig) -> torch.optim.Optimizer:
 
 def train_target(cfg: TrainConfig, corpus: Corpus, work: Path, device: torch.device, log: RunLog,
                  deadline: Deadline, experts_implementation: str = "auto", seconds_budget: float | None = None):
-    """Trains (or resumes) the target; returns (model in eval mode on `device`, training seconds)."""
+    """Trains (or resumes) the target; returns (model in eval mode on `device`, training seconds, steps)."""
     phase = cfg.target_phase
     model = build_target(cfg, experts_implementation).to(device)
     balancer = ExpertBalancer(model, cfg.expert_bias_rate)
@@ -135,11 +135,11 @@ def train_target(cfg: TrainConfig, corpus: Corpus, work: Path, device: torch.dev
         return {"heldout_bpb": bits_per_byte(model, corpus.held_out.tokens, device, phase.seq_len,
                                              cfg.bpb_max_tokens or 65536)}
 
-    elapsed = run_phase("target", phase, model, make_optimizer(model, phase), loss_fn=loss_fn, eval_fn=eval_fn,
+    elapsed, steps = run_phase("target", phase, model, make_optimizer(model, phase), loss_fn=loss_fn, eval_fn=eval_fn,
                         after_step=lambda: {"expert_imbalance": balancer.update()},
                         ckpt_path=work / "checkpoints" / "target.pt", log=log, deadline=deadline,
                         seconds_budget=seconds_budget)
-    return model.eval(), elapsed
+    return model.eval(), elapsed, steps
 
 
 def save_target(model, out_dir: Path) -> None:
