@@ -233,7 +233,6 @@ def mla_verify_attention_triton(
     grid = (triton.cdiv(t * heads, block_m), b, splits)
     if device.type != "cuda" and not triton.knobs.runtime.interpret:
         raise ValueError("CPU tensors run only under Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)")
-    fwd, merge = _verify_fwd, _merge_splits
     common = dict(C=c, R=r, BLOCK_M=block_m, BLOCK_N=block_n, TAIL_MASK=tail_mask)
     launch = dict(num_warps=warps, num_stages=stages) if device.type == "cuda" else {}
     scalars = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
@@ -241,15 +240,15 @@ def mla_verify_attention_triton(
     tail = (t, heads, mask64.shape[-1], cache.shape[1], table.shape[1], cache.shape[0], softmax_scale * _LOG2E,
             splits)
     if splits == 1:
-        fwd[grid](q_latent, q_rope, cache, table, prefix_lens, mask64, out, lse, *scalars,
+        _verify_fwd[grid](q_latent, q_rope, cache, table, prefix_lens, mask64, out, lse, *scalars,
                   out.stride(0), out.stride(1), lse.stride(0), 0, *tail, PARTIAL=False, **common, **launch)
         return out, lse
     o_part = torch.empty(splits, rows * heads, c, dtype=torch.float32, device=device)
     lse_part = torch.empty(splits, rows * heads, dtype=torch.float32, device=device)
-    fwd[grid](q_latent, q_rope, cache, table, prefix_lens, mask64, o_part, lse_part, *scalars,
+    _verify_fwd[grid](q_latent, q_rope, cache, table, prefix_lens, mask64, o_part, lse_part, *scalars,
               0, 0, 0, rows * heads, *tail, PARTIAL=True, **common, **launch)
     block_c = min(c, 128)
-    merge[(rows * heads, c // block_c)](o_part, lse_part, out, lse, rows * heads, heads, splits, out.stride(0),
-                                        out.stride(1), lse.stride(0), C=c, BLOCK_C=block_c, BLOCK_S=16,
-                                        **({"num_warps": 4} if launch else {}))
+    _merge_splits[(rows * heads, c // block_c)](
+        o_part, lse_part, out, lse, rows * heads, heads, splits, out.stride(0), out.stride(1), lse.stride(0),
+        C=c, BLOCK_C=block_c, BLOCK_S=16, **({"num_warps": 4} if launch else {}))
     return out, lse

@@ -52,7 +52,9 @@ def gather_cache_rows(cache: torch.Tensor, block_table: torch.Tensor, length: in
     return cache[pages, (pos % page_size).expand_as(pages)]
 
 
-def mla_verify_attention(q_latent, q_rope, cache, block_table, prefix_lens, mask, softmax_scale):
+def mla_verify_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                         block_table: torch.Tensor, prefix_lens: torch.Tensor, mask: torch.Tensor,
+                         softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatcher with the reference's contract (below): the Triton kernel where it applies."""
     if q_latent.is_cuda:
         from ..kernels.dispatch import triton_verify_supported
