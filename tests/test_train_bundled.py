@@ -137,6 +137,38 @@ def test_training_forward_equals_zlab_reference_per_anchor(smoke):
     assert labels[1, 2].tolist() == tokens[1, anchors[1, 2] + 1: anchors[1, 2] + 16].tolist()
 
 
+def test_distillation_loss_uses_the_targets_prediction_of_each_drafted_byte(smoke):
+    """labels_from="target": row k of the block at anchor p is scored against the target's logits at
+    position p + k - 1 (soft cross-entropy, position-weighted) and agreement with their argmax."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from bundled_training.drafter import drafter_loss, position_weights, target_outputs
+    from ddtree.models.dflash import DFlashDrafter
+
+    pair = smoke / "pair"
+    target = DeepseekV3ForCausalLM.from_pretrained(pair / "target", dtype=torch.float32).eval()
+    ours = DFlashDrafter.from_pretrained(pair / "drafter", embed_tokens=target.get_input_embeddings(),
+                                         lm_head=target.get_output_embeddings(), dtype=torch.float32)
+    torch.manual_seed(4)
+    tokens = torch.randint(0, 256, (2, 40))
+    anchors = sample_anchors(2, 40, 16, 2, torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        loss, agreement = drafter_loss(ours, target, tokens, anchors, 7.0, "target")
+        features, teacher = target_outputs(target, tokens, ours.config.target_layer_ids)
+        drafted = block_logits(ours, features, tokens, anchors)
+    nll, agree = torch.zeros(15), torch.zeros(15)
+    for b in range(2):
+        for j, p in enumerate(anchors[b].tolist()):
+            for k in range(1, 16):
+                t, d = teacher[b, p + k - 1], drafted[b, j, k - 1]
+                nll[k - 1] += -(t.softmax(-1) * d.log_softmax(-1)).sum() / 4
+                agree[k - 1] += float(t.argmax() == d.argmax()) / 4
+    torch.testing.assert_close(agreement, agree)
+    torch.testing.assert_close(loss, (nll * position_weights(16, 7.0, "cpu")).sum(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="labels_from"):
+        drafter_loss(ours, target, tokens, anchors, 7.0, "teacher")
+
+
 def test_interrupted_run_resumes_to_identical_weights(smoke, tmp_path):
     """Budget 0: each call stops at the next checkpoint (exit 75); the calls together equal one run."""
     script = _script()

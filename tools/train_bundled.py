@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-minutes", type=float, help="checkpoint and exit 75 once this much wall time has passed")
     p.add_argument("--experts-impl", default="auto", choices=("auto", "eager", "batched_mm", "grouped_mm"),
                    help="transformers' MoE implementation while training the target (auto: its default)")
+    p.add_argument("--drafter-labels", choices=("text", "target"),
+                   help="drafter loss against the true bytes (default) or the target's distributions (distillation)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr (the JSON log is still written)")
     return p.parse_args(argv)
 
@@ -56,6 +58,8 @@ def run_config(args) -> TrainConfig:
     cfg = SMOKE if args.smoke else TrainConfig()
     if args.target_steps is not None:
         cfg = dataclasses.replace(cfg, target_phase=dataclasses.replace(cfg.target_phase, steps=args.target_steps))
+    if args.drafter_labels is not None:
+        cfg = dataclasses.replace(cfg, drafter_labels=args.drafter_labels)
     if args.drafter_steps is not None:
         cfg = dataclasses.replace(cfg, drafter_phase=dataclasses.replace(cfg.drafter_phase, steps=args.drafter_steps))
     return cfg

@@ -71,6 +71,7 @@ class TrainConfig:
     drafter_phase: PhaseConfig = PhaseConfig(steps=2500, batch=32, seq_len=512, lr=2e-3, warmup=100)
     anchors_per_seq: int = 24          # blocks per training sequence (distinct random anchors)
     loss_decay: float = 7.0            # drafter loss weight of block position k: exp(-(k - 1) / decay)
+    drafter_labels: str = "text"       # "text": the true bytes; "target": distil the target's distributions
     expert_bias_rate: float = 1e-2     # aux-loss-free balancing: bias += rate * sign(mean load - load) (1e-3 collapsed in a short CPU run)
     max_files: int | None = None       # None: the whole corpus
     eval_prompts: int = 32
