@@ -118,11 +118,26 @@ def make_optimizer(model, phase: PhaseConfig) -> torch.optim.Optimizer:
                              fused=next(model.parameters()).is_cuda)
 
 
+def check_experts_kernel(model, corpus: Corpus, phase: PhaseConfig, device: torch.device, log: RunLog) -> None:
+    """One forward + backward with transformers' default MoE kernel (grouped_mm where available);
+    if it fails here, train with the plain loop instead of losing the run. Weights are untouched."""
+    batch = sample_windows(corpus.train.tokens, 2, min(phase.seq_len, 64) + 1, seed=0, step=0).to(device)
+    try:
+        with autocast(device):
+            lm_loss(model, batch).backward()
+    except (RuntimeError, NotImplementedError) as exc:
+        log.write(phase="target", event="experts_fallback", error=str(exc)[:300], experts_implementation="eager")
+        model.set_experts_implementation("eager")
+    model.zero_grad(set_to_none=True)
+
+
 def train_target(cfg: TrainConfig, corpus: Corpus, work: Path, device: torch.device, log: RunLog,
                  deadline: Deadline, experts_implementation: str = "auto", seconds_budget: float | None = None):
     """Trains (or resumes) the target; returns (model in eval mode on `device`, training seconds, steps)."""
     phase = cfg.target_phase
     model = build_target(cfg, experts_implementation).to(device)
+    if experts_implementation == "auto":
+        check_experts_kernel(model, corpus, phase, device, log)
     balancer = ExpertBalancer(model, cfg.expert_bias_rate)
 
     def loss_fn(step: int):
