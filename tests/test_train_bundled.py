@@ -9,6 +9,7 @@ import importlib.util
 import json
 import shutil
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,8 @@ def _script():
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     root = tmp_path_factory.mktemp("bundled")
-    code = _script().main(["--smoke", "--quiet", "--work", str(root / "work"), "--out", str(root / "pair")])
+    code = _script().main(["--smoke", "--quiet", "--work", str(root / "work"), "--out", str(root / "pair"),
+                           "--archive", str(root / "pair.tar")])
     assert code == 0
     return root
 
@@ -58,6 +60,10 @@ def test_smoke_run_writes_the_package_layout(smoke):
     assert [(r["mode"], r["budget"]) for r in evaluation["runs"]] == [("ar", 0), ("chain", 0), ("ddtree", 4),
                                                                       ("ddtree", 16)]
     assert all(r["generated_tokens"] == 2 * 12 for r in evaluation["runs"])
+    with tarfile.open(smoke / "pair.tar") as tar:
+        names = set(tar.getnames())
+        assert names == {p.relative_to(pair).as_posix() for p in pair.rglob("*") if p.is_file()}
+        assert tar.extractfile("manifest.json").read() == (pair / "manifest.json").read_bytes()
 
 
 def test_log_has_loss_curves_that_fall(smoke):

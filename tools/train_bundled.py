@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shlex
 import shutil
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -38,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=Path("build/bundled_run"), help="checkpoints, logs and the pair in progress")
     p.add_argument("--out", type=Path, required=True, help="where the finished pair and its card go")
+    p.add_argument("--archive", type=Path,
+                   help="also write the --out folder as one tar file, refreshed whenever --out is (after training, "
+                        "after the evaluation): for transports that return few files")
     p.add_argument("--smoke", action="store_true", help="tiny widths, a few steps, 3 files per split (CPU tests)")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
     p.add_argument("--target-steps", type=int, help="override the target phase's step count")
@@ -99,7 +104,7 @@ def main(argv=None) -> int:
         log.write(event="out_of_time", message=str(exc))
         print(f"{exc}: checkpoint saved, run the same command again to resume", file=sys.stderr)
         return EXIT_OUT_OF_TIME
-    publish(pair, work, args.out)  # the weights come back even if the evaluation fails
+    publish(pair, work, args.out, args.archive)  # the weights come back even if the evaluation fails
     sizes = {"target_parameters": count_parameters(target), "drafter_parameters": count_parameters(drafter),
              "target_bytes": sum(p.stat().st_size for p in (pair / "target").iterdir()),
              "drafter_bytes": sum(p.stat().st_size for p in (pair / "drafter").iterdir())}
@@ -119,18 +124,26 @@ def main(argv=None) -> int:
     manifest = write_manifest(pair)
     write_json(work / "eval.json", evaluation)
     log.write(event="done", out=str(args.out), total_bytes=manifest["total_bytes"])
-    publish(pair, work, args.out)
+    publish(pair, work, args.out, args.archive)
     return 0
 
 
-def publish(pair: Path, work: Path, out: Path) -> None:
-    """out = the pair (+ card and manifest once written) + the run's records."""
+def publish(pair: Path, work: Path, out: Path, archive: Path | None) -> None:
+    """out = the pair (+ card and manifest once written) + the run's records; archive = a tar of out."""
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(pair, out)
     for record in ("train_log.jsonl", "eval.json"):
         if (work / record).is_file():
             shutil.copy2(work / record, out / record)
+    if archive is not None:
+        archive.parent.mkdir(parents=True, exist_ok=True)
+        tmp = archive.with_name(archive.name + ".tmp")
+        with tarfile.open(tmp, "w") as tar:
+            for path in sorted(out.rglob("*")):
+                if path.is_file():
+                    tar.add(path, arcname=path.relative_to(out).as_posix())
+        os.replace(tmp, archive)
 
 
 if __name__ == "__main__":
