@@ -241,7 +241,9 @@ def _greedy_modes_agree(target_dir: Path, drafter_dir: Path) -> None:
     from ddtree.engine.loader import ModelSetup, build_local_engine
 
     engine = build_local_engine(ModelSetup(target=str(target_dir), drafter=str(drafter_dir), device="cpu")).start()
-    prompts = [[C.BOS, *b"import os\n\n\ndef main():\n    "], list(b"class Point:\n    def __init__(self, x, y):\n")]
+    from ddtree.bundled import DEMO_PROMPTS
+
+    prompts = [[C.BOS, *p.encode()] for p in DEMO_PROMPTS] + [list(b"class Point:\n    def __init__(self, x, y):\n")]
     try:
         runs = [run_mode(engine, prompts, mode, budget, 24) for mode, budget in
                 (("ar", 0), ("chain", 0), ("ddtree", 16), ("ddtree", 64))]
@@ -250,6 +252,14 @@ def _greedy_modes_agree(target_dir: Path, drafter_dir: Path) -> None:
     for run in runs[1:]:
         assert run["outputs"] == runs[0]["outputs"], (run["mode"], run["budget"])
         assert run["target_forwards_per_token"] <= 1.0
+
+
+def test_demo_prompts_are_byte_level_code():
+    from ddtree.bundled import DEMO_PROMPTS
+
+    for prompt in DEMO_PROMPTS:
+        compile(prompt + "pass\n", "<demo>", "exec")  # each prompt ends where a statement can start
+        assert prompt.isascii()
 
 
 def test_smoke_pair_greedy_spec_equals_ar(smoke):

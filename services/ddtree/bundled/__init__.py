@@ -22,6 +22,14 @@ MAX_TOTAL_BYTES = 16 * 1024 * 1024  # the pair ships inside the wheel: keep it s
 MANIFEST_VERSION = 1
 
 
+# Code prompts for `ddtree up --demo` (the pair is a byte-level model of the standard library's style).
+DEMO_PROMPTS = (
+    "import os\nimport sys\n\n\ndef main(argv=None):\n    ",
+    "class Stack:\n    \"\"\"A last-in, first-out container.\"\"\"\n\n    def __init__(self):\n        ",
+    "def read_lines(path, encoding=\"utf-8\"):\n    \"\"\"Return the lines of the file at *path*.\"\"\"\n    ",
+)
+
+
 class BundledModelError(ValueError):
     """The bundled files are missing, altered or too large."""
 
