@@ -16,7 +16,7 @@ from typing import Sequence
 import grpc
 import torch
 
-from ddtree.engine.backends import DraftItem, PeerUnavailable
+from ddtree.engine.backends import DraftItem, PeerUnavailable, RemotePeer
 from ddtree.models.dflash import UNKNOWN_REQUEST
 from ddtree.transport import PeerLink, Transport, align
 from ddtree.v1 import drafter_pb2, drafter_pb2_grpc
@@ -34,7 +34,7 @@ class DrafterContextLost(PeerUnavailable):
     unreachable peer) rather than fail the request."""
 
 
-class RemoteDrafter:
+class RemoteDrafter(RemotePeer):
     """A DrafterBackend (ddtree.engine.backends) served by `ddtree serve drafter`."""
 
     def __init__(self, channel: grpc.Channel, transport: Transport, *, block_size: int, vocab_size: int,
@@ -78,16 +78,6 @@ class RemoteDrafter:
         if request_ids:
             self._call(self.stub.Release, drafter_pb2.ReleaseRequest(request_ids=list(request_ids)),
                        timeout=self.timeout_s, metadata=self.link.metadata)
-
-    def reattach(self) -> None:
-        """Attaches again (after the drafter restarted); contexts it had are gone."""
-        self._call(self.link.attach, timeout=self.timeout_s)
-
-    def close(self) -> None:
-        try:
-            self.link.detach()
-        except grpc.RpcError:
-            pass
 
     # -- internals ---------------------------------------------------------------------------------
     def _rows_per_slot(self) -> int:

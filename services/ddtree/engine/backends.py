@@ -20,6 +20,24 @@ class PeerUnavailable(RuntimeError):
     """A remote drafter or tree builder could not serve a call (unreachable, crashed, timed out)."""
 
 
+class RemotePeer:
+    """Lifecycle shared by the remote drafter and tree builder. Subclasses set `self.link` (a
+    ddtree.transport.PeerLink) and `self.timeout_s`, and define `_call(fn, *args, **kwargs)`, which
+    maps the peer's failures to PeerUnavailable (the engine degrades) or ValueError (refused)."""
+
+    def reattach(self) -> None:
+        """Attaches again (after the peer restarted); whatever it held for us is gone."""
+        self._call(self.link.attach, timeout=self.timeout_s)
+
+    def close(self) -> None:
+        import grpc
+
+        try:
+            self.link.detach()
+        except grpc.RpcError:
+            pass
+
+
 @dataclass
 class TreeBatch:
     """Trees of one verify batch, node 0 = root (the bonus token); same layout as TreeRefs."""

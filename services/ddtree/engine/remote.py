@@ -15,7 +15,7 @@ import time
 import grpc
 import torch
 
-from ddtree.engine.backends import FIELDS, Accepted, PeerUnavailable, TreeBatch
+from ddtree.engine.backends import FIELDS, Accepted, PeerUnavailable, RemotePeer, TreeBatch
 from ddtree.grpc_options import channel_options
 from ddtree.telemetry import TracingClientInterceptor
 
@@ -66,12 +66,8 @@ def connect_drafter(endpoint: str, transport, *, drafter_dir: str, target, wait_
         raise ValueError(f"drafter {drafter_dir} expects {cfg.feature_width}-wide features, the target gives "
                          f"{target.feature_width}")
 
-    class EngineDrafter(RemoteDrafter):
-        def reattach(self) -> None:
-            self._call(self.link.attach, timeout=self.timeout_s)
-
     wait_serving(endpoint, f"drafter at {endpoint}", wait_s)
-    return EngineDrafter(traced_channel(endpoint), transport, block_size=cfg.block_size, vocab_size=cfg.vocab_size,
+    return RemoteDrafter(traced_channel(endpoint), transport, block_size=cfg.block_size, vocab_size=cfg.vocab_size,
                          feature_width=cfg.feature_width, feature_dtype=target.model.dtype,
                          name=f"remote:{os.path.basename(os.path.normpath(drafter_dir))}")
 
@@ -81,7 +77,7 @@ UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, g
                grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.FAILED_PRECONDITION)
 
 
-class RemoteTree:
+class RemoteTree(RemotePeer):
     """A TreeBackend served by `ddtree serve treebuild` (ddtree.treebuild).
 
     Build: top-k written into a slot of our region "engine/tree_inputs", trees read back from the
@@ -106,15 +102,6 @@ class RemoteTree:
         self.timeout_s, self._slot = timeout_s, 0
         self.last_timing = None
         self.reattach()
-
-    def reattach(self) -> None:
-        self._call(self.link.attach, timeout=self.timeout_s)
-
-    def close(self) -> None:
-        try:
-            self.link.detach()
-        except grpc.RpcError:
-            pass
 
     def _put(self, tensors) -> list:
         """Packs tensors into the next slot (256-byte aligned); returns refs fit for the sidecar."""
