@@ -1,6 +1,7 @@
 """`ddtree up`: the whole deployment on one host, as three processes.
 
     ddtree up --target DIR --drafter DIR [--host 127.0.0.1 --port 50051] [--tp N] [--device auto]
+    ddtree up --demo [--bundled-dir DIR] [--demo-keep]      # the bundled pair on CPU, a few prompts
 
 Starts the tree-build sidecar and the drafter service on loopback ports, waits until both report
 SERVING, then starts the verify service (public API on --host:--port, default 127.0.0.1:50051)
@@ -9,18 +10,28 @@ SIGTERM stops all three (SIGTERM, then SIGKILL after --grace-s). A drafter or si
 is restarted (the verify service serves degraded meanwhile, then re-attaches it); if the verify
 service exits, the others are stopped and `ddtree up` exits with status 1. On a GPU host every service uses
 GPU 0 (verify ranks use GPUs 0..N-1) and tensors move by CUDA IPC; on CPU, by shared memory.
+
+--demo: the models default to the bundled pair (checked against its manifest; --bundled-dir or
+$DDTREE_BUNDLED_DIR for another, e.g. one made by tools/train_bundled.py) and the device to cpu.
+Once the stack is up, a few code prompts run through the public API in ddtree mode; their text,
+tokens/s, acceptance length and target forwards per token are printed, then the per-component
+step breakdown (`ddtree trace-report` over the services' DDTREE_TRACE_FILE). Then everything
+stops, or keeps serving with --demo-keep.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import signal
 import subprocess
 import sys
 import threading
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DEFAULT_PORT = 50051
 # The module of each `ddtree serve NAME` (a service whose module is missing is left out).
@@ -31,17 +42,17 @@ def add_up_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("up", help="start verify + drafter + tree-build sidecar on this host",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_up_arguments(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=functools.partial(run_checked, p))
     return p
 
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="target checkpoint directory")
-    p.add_argument("--drafter", required=True, help="DFlash drafter checkpoint directory")
+    p.add_argument("--target", help="target checkpoint directory (required unless --demo)")
+    p.add_argument("--drafter", help="DFlash drafter checkpoint directory (required unless --demo)")
     p.add_argument("--host", default="127.0.0.1", help="public API address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"public API port (default {DEFAULT_PORT})")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the verify service")
-    p.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
+    p.add_argument("--device", default=None, help="auto (cuda when available), cuda or cpu (default auto; cpu with --demo)")
     p.add_argument("--no-sidecar", action="store_true", help="build trees inside the verify service")
     p.add_argument("--startup-timeout-s", type=float, default=600.0, help="per service (default 600)")
     p.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL delay at shutdown")
@@ -49,6 +60,46 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                    help="restarts of a crashed drafter/sidecar before giving up (verify is never restarted)")
     p.add_argument("--verify-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `ddtree serve verify` (repeatable), e.g. --verify-arg=--max-running=32")
+    d = p.add_argument_group("demo")
+    d.add_argument("--demo", action="store_true",
+                   help="run a few code prompts, print text, tokens/s, acceptance and the step breakdown, then stop")
+    d.add_argument("--bundled-dir", default=None,
+                   help="the pair for --demo when --target/--drafter are absent (default $DDTREE_BUNDLED_DIR, "
+                        "else the one shipped in the package)")
+    d.add_argument("--demo-keep", action="store_true", help="keep serving after the demo (Ctrl-C stops)")
+    d.add_argument("--demo-max-tokens", type=int, default=128, help="tokens generated per demo prompt (default 128)")
+    d.add_argument("--demo-budget", type=int, default=64, help="tree budget of the demo requests (default 64)")
+
+
+def resolve_models(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Fills --target/--drafter/--device: given ones win; with --demo the bundled pair and cpu.
+    Raises BundledModelError when the bundled pair is needed and missing or altered."""
+    if (args.target is None) != (args.drafter is None):
+        parser.error("--target and --drafter go together: give both, or neither with --demo (the bundled pair)")
+    if args.target is None and not args.demo:
+        parser.error("--target and --drafter are required (or --demo, which runs the bundled pair)")
+    if args.demo_max_tokens <= 0 or args.demo_budget < 0:
+        parser.error("--demo-max-tokens must be > 0 and --demo-budget >= 0")
+    if args.target is None:
+        from ddtree.demo import bundled_pair
+
+        target, drafter = bundled_pair(args.bundled_dir)
+        args.target, args.drafter = str(target), str(drafter)
+    if args.device is None:
+        args.device = "cpu" if args.demo else "auto"
+    return args
+
+
+def run_checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The `ddtree up` entry: argument checks (usage errors exit 2), then `run`."""
+    from ddtree.bundled import BundledModelError
+
+    try:
+        resolve_models(parser, args)
+    except BundledModelError as exc:
+        print(f"ddtree up: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return run(args)
 
 
 @dataclass
@@ -126,10 +177,18 @@ def wait_serving(child: Child, timeout_s: float) -> None:
     raise RuntimeError(f"{child.name} did not become SERVING within {timeout_s:.0f}s")
 
 
-def _pump(child: Child) -> None:
-    """Forwards a child's output, prefixed with its name (the JSON log lines stay intact)."""
+def _pump(child: Child, echo: bool) -> None:
+    """Keeps a child's output and (echo) forwards it, prefixed with its name (the JSON log lines
+    stay intact)."""
     for line in child.proc.stdout:
         child.lines.append(line)
+        if echo:
+            sys.stderr.write(f"[{child.name}] {line}")
+
+
+def _show_tail(child: Child, lines: int = 30) -> None:
+    """The last log lines of a child whose output was not forwarded (the demo keeps it quiet)."""
+    for line in child.lines[-lines:]:
         sys.stderr.write(f"[{child.name}] {line}")
 
 
@@ -153,23 +212,45 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     env = dict(os.environ)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # CUDA IPC producers need it
+    demo = getattr(args, "demo", False)
+    trace_file = None
+    if demo:  # all three services append their spans to one file: the breakdown's source
+        from ddtree.demo import TRACE_FLUSH_MS
+
+        trace_file = Path(tempfile.mkdtemp(prefix="ddtree-demo-")) / "spans.jsonl"
+        env["DDTREE_TRACE_FILE"] = str(trace_file)
+        env.setdefault("OTEL_BSP_SCHEDULE_DELAY", str(TRACE_FLUSH_MS))
+        env.setdefault("DDTREE_TRACE_STEPS", "1")
     children: list[Child] = []
     try:
         def start(name: str, endpoint: str, serve_args: list[str]) -> Child:
             proc = subprocess.Popen(serve_command(name, serve_args), env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
             child = Child(name, endpoint, proc, serve_args)
-            threading.Thread(target=_pump, args=(child,), daemon=True).start()
+            threading.Thread(target=_pump, args=(child, not demo), daemon=True).start()
             return child
 
         for name, endpoint, serve_args in plan(args):
             children.append(start(name, endpoint, serve_args))
-            wait_serving(children[-1], args.startup_timeout_s)
+            try:
+                wait_serving(children[-1], args.startup_timeout_s)
+            except RuntimeError:
+                if demo:
+                    _show_tail(children[-1])
+                raise
             if stop.is_set():
                 raise KeyboardInterrupt
         for child in children:
             print(f"ddtree up: {child.name:9s} {child.endpoint}  (pid {child.proc.pid})", flush=True)
         print(f"ddtree up: ready; public API on {args.host}:{args.port}. Ctrl-C stops everything.", flush=True)
+        if demo:
+            code = run_demo(args, trace_file)
+            if code or not args.demo_keep:
+                for child in children:
+                    if code and child.proc.poll() is not None:
+                        _show_tail(child)
+                return code
+            print(f"ddtree up: still serving (--demo-keep); spans keep going to {trace_file}", flush=True)
         restarts = 0
         while not stop.wait(0.2):
             for i, child in enumerate(children):
@@ -178,6 +259,8 @@ def run(args: argparse.Namespace) -> int:
                 if child.name == "verify" or restarts >= args.max_restarts:
                     print(f"ddtree up: {child.name} exited with code {child.proc.returncode}; stopping the others",
                           file=sys.stderr, flush=True)
+                    if demo:
+                        _show_tail(child)
                     return 1
                 # A peer crashed: verify keeps serving (degraded) and re-attaches once it is back.
                 restarts += 1
@@ -195,4 +278,31 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         stop_all(children, args.grace_s)
+        if trace_file is not None and not args.demo_keep:
+            trace_file.unlink(missing_ok=True)
+            trace_file.parent.rmdir()
+
+
+def run_demo(args: argparse.Namespace, trace_file: Path) -> int:
+    """The demo prompts against the stack just started, then the step breakdown; 0 when every
+    prompt completed and steps were traced."""
+    from ddtree import demo
+
+    config = demo.DemoConfig(max_tokens=args.demo_max_tokens, budget=args.demo_budget)
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "[::]") else args.host
+    print(f"ddtree up: demo: {len(demo.DEMO_PROMPTS)} prompts, greedy, ddtree mode, budget "
+          f"{config.budget or 'server policy'}, {config.max_tokens} tokens each; target {args.target}\n", flush=True)
+    results = demo.run_prompts(f"{host}:{args.port}", args.target, config)
+    print(demo.format_results(results), flush=True)
+    spans = demo.wait_for_trace(trace_file, [r.request_id for r in results if not r.error], config.trace_wait_s)
+    table = demo.breakdown_table(spans)
+    if table:
+        print("where each decode step's time went (ddtree trace-report over the services' spans):")
+        print(table, flush=True)
+    else:
+        print("ddtree up: demo: no step spans reached the trace file", file=sys.stderr, flush=True)
+    failed = [r for r in results if r.error]
+    for r in failed:
+        print(f"ddtree up: demo: request {r.request_id} failed: {r.error}", file=sys.stderr, flush=True)
+    return 1 if failed or not table else 0
 
