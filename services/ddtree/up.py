@@ -52,7 +52,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="public API address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"public API port (default {DEFAULT_PORT})")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the verify service")
-    p.add_argument("--device", default=None, help="auto (cuda when available), cuda or cpu (default auto; cpu with --demo)")
+    p.add_argument("--device", default=None,
+                   help="auto (cuda when available), cuda or cpu (default auto; cpu with --demo)")
     p.add_argument("--no-sidecar", action="store_true", help="build trees inside the verify service")
     p.add_argument("--startup-timeout-s", type=float, default=600.0, help="per service (default 600)")
     p.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL delay at shutdown")
