@@ -45,6 +45,11 @@ class DrafterStub:
                 request_serializer=ddtree_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_drafter__pb2.DraftReply.FromString,
                 _registered_method=True)
+        self.DraftStream = channel.stream_stream(
+                '/ddtree.v1.Drafter/DraftStream',
+                request_serializer=ddtree_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_drafter__pb2.DraftReply.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/ddtree.v1.Drafter/Release',
                 request_serializer=ddtree_dot_v1_dot_drafter__pb2.ReleaseRequest.SerializeToString,
@@ -69,6 +74,16 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DraftStream(self, request_iterator, context):
+        """Draft over one long-lived stream per engine (the default step path: a message round trip
+        costs less than a unary call). One reply per request, in order, each exactly Draft's reply.
+        A request Draft would refuse ends the stream with Draft's status and message (gRPC has no
+        per-message status); the engine opens a new stream for its next step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Frees per-request state.
         """
@@ -86,6 +101,11 @@ def add_DrafterServicer_to_server(servicer, server):
             ),
             'Draft': grpc.unary_unary_rpc_method_handler(
                     servicer.Draft,
+                    request_deserializer=ddtree_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_drafter__pb2.DraftReply.SerializeToString,
+            ),
+            'DraftStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DraftStream,
                     request_deserializer=ddtree_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_drafter__pb2.DraftReply.SerializeToString,
             ),
@@ -147,6 +167,33 @@ class Drafter:
             request,
             target,
             '/ddtree.v1.Drafter/Draft',
+            ddtree_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
+            ddtree_dot_v1_dot_drafter__pb2.DraftReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ddtree.v1.Drafter/DraftStream',
             ddtree_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
             ddtree_dot_v1_dot_drafter__pb2.DraftReply.FromString,
             options,

@@ -9,16 +9,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class BuildRequest(_message.Message):
-    __slots__ = ("step_id", "top_logprobs", "top_ids", "budgets")
+    __slots__ = ("step_id", "top_logprobs", "top_ids", "budgets", "traceparent")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     BUDGETS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     top_logprobs: _tensor_pb2.TensorRef
     top_ids: _tensor_pb2.TensorRef
     budgets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., top_logprobs: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., top_ids: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., budgets: _Optional[_Iterable[int]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, step_id: _Optional[int] = ..., top_logprobs: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., top_ids: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., budgets: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class TreeRefs(_message.Message):
     __slots__ = ("tokens", "depths", "parents", "num_nodes", "mask")
@@ -43,14 +45,16 @@ class BuildReply(_message.Message):
     def __init__(self, trees: _Optional[_Union[TreeRefs, _Mapping]] = ..., timing: _Optional[_Union[_transport_pb2.ServerTiming, _Mapping]] = ...) -> None: ...
 
 class AcceptRequest(_message.Message):
-    __slots__ = ("step_id", "posterior", "trees")
+    __slots__ = ("step_id", "posterior", "trees", "traceparent")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     POSTERIOR_FIELD_NUMBER: _ClassVar[int]
     TREES_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     posterior: _tensor_pb2.TensorRef
     trees: TreeRefs
-    def __init__(self, step_id: _Optional[int] = ..., posterior: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., trees: _Optional[_Union[TreeRefs, _Mapping]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, step_id: _Optional[int] = ..., posterior: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., trees: _Optional[_Union[TreeRefs, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class AcceptReply(_message.Message):
     __slots__ = ("path", "length", "bonus", "keep", "timing")

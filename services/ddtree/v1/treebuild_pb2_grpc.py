@@ -50,6 +50,16 @@ class TreeBuilderStub:
                 request_serializer=ddtree_dot_v1_dot_treebuild__pb2.AcceptRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_treebuild__pb2.AcceptReply.FromString,
                 _registered_method=True)
+        self.BuildStream = channel.stream_stream(
+                '/ddtree.v1.TreeBuilder/BuildStream',
+                request_serializer=ddtree_dot_v1_dot_treebuild__pb2.BuildRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_treebuild__pb2.BuildReply.FromString,
+                _registered_method=True)
+        self.AcceptStream = channel.stream_stream(
+                '/ddtree.v1.TreeBuilder/AcceptStream',
+                request_serializer=ddtree_dot_v1_dot_treebuild__pb2.AcceptRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_treebuild__pb2.AcceptReply.FromString,
+                _registered_method=True)
 
 
 class TreeBuilderServicer:
@@ -73,6 +83,22 @@ class TreeBuilderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BuildStream(self, request_iterator, context):
+        """Build and Accept over long-lived streams (one of each per engine; the default step path: a
+        message round trip costs less than a unary call). One reply per request, in order, each
+        exactly the unary RPC's reply. A request the unary RPC would refuse ends the stream with that
+        status and message (gRPC has no per-message status); the engine opens a new stream next time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcceptStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TreeBuilderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -88,6 +114,16 @@ def add_TreeBuilderServicer_to_server(servicer, server):
             ),
             'Accept': grpc.unary_unary_rpc_method_handler(
                     servicer.Accept,
+                    request_deserializer=ddtree_dot_v1_dot_treebuild__pb2.AcceptRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_treebuild__pb2.AcceptReply.SerializeToString,
+            ),
+            'BuildStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.BuildStream,
+                    request_deserializer=ddtree_dot_v1_dot_treebuild__pb2.BuildRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_treebuild__pb2.BuildReply.SerializeToString,
+            ),
+            'AcceptStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.AcceptStream,
                     request_deserializer=ddtree_dot_v1_dot_treebuild__pb2.AcceptRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_treebuild__pb2.AcceptReply.SerializeToString,
             ),
@@ -171,6 +207,60 @@ class TreeBuilder:
             request,
             target,
             '/ddtree.v1.TreeBuilder/Accept',
+            ddtree_dot_v1_dot_treebuild__pb2.AcceptRequest.SerializeToString,
+            ddtree_dot_v1_dot_treebuild__pb2.AcceptReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BuildStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ddtree.v1.TreeBuilder/BuildStream',
+            ddtree_dot_v1_dot_treebuild__pb2.BuildRequest.SerializeToString,
+            ddtree_dot_v1_dot_treebuild__pb2.BuildReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcceptStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ddtree.v1.TreeBuilder/AcceptStream',
             ddtree_dot_v1_dot_treebuild__pb2.AcceptRequest.SerializeToString,
             ddtree_dot_v1_dot_treebuild__pb2.AcceptReply.FromString,
             options,
