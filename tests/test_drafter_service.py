@@ -1,5 +1,6 @@
 """The drafter service in its own process (real gRPC server, port 0), driven through RemoteDrafter
-over the shm transport on CPU (cuda_ipc on a GPU): same top-k as the in-process drafter, clear
+over the shm transport on CPU (cuda_ipc on a GPU): same top-k as the in-process drafter over the
+step stream and over unary calls, clear
 INVALID_ARGUMENT errors that leave the service serving, Release, server spans, graceful stop."""
 from __future__ import annotations
 
@@ -79,10 +80,10 @@ def service(request, checkpoints):
         proc.wait()
 
 
-def remote(service, **kw):
+def remote(service, transport=None, **kw):
     from ddtree.drafter.client import RemoteDrafter
 
-    return RemoteDrafter(service["channel"], service["transport"], block_size=4, vocab_size=VOCAB, feature_width=WIDTH,
+    return RemoteDrafter(service["channel"], transport or service["transport"], block_size=4, vocab_size=VOCAB, feature_width=WIDTH,
                          feature_dtype=torch.float32, **kw)
 
 
@@ -183,11 +184,10 @@ def test_two_engines_have_separate_contexts_for_the_same_request_id(service):
         other.close()
 
 
-def test_remote_top_k_equals_in_process_drafter_and_service_stops_cleanly(service):
-    health = health_pb2_grpc.HealthStub(service["channel"]).Check(health_pb2.HealthCheckRequest(), timeout=5)
-    assert health.status == health_pb2.HealthCheckResponse.SERVING
+def _check_plan(service, drafter):
+    """Three steps of three requests (long prompts split over slots): top-k equal to the in-process
+    drafter's; returns the requests' positions."""
     dev = service["device"]
-    drafter = remote(service, feature_slot_bytes=align(7 * WIDTH * 4))  # 7 rows per slot: long prompts are split
     cache = DrafterContextCache(service["local"].config, num_pages=64, page_size=8, device=dev, dtype=torch.float32)
     plans = {"a": [(20, 5), (3, 9), (1, 2)], "b": [(2, 1), (4, 7), (6, 3)], "c": [(9, 4), (1, 6), (0, 8)]}
     positions = dict.fromkeys(plans, 0)
@@ -206,6 +206,25 @@ def test_remote_top_k_equals_in_process_drafter_and_service_stops_cleanly(servic
         assert drafter.last_timing.server_ms > 0
         if dev == "cuda":
             assert drafter.last_timing.gpu_ms > 0
+    return positions
+
+
+def test_remote_top_k_equals_in_process_drafter_and_service_stops_cleanly(service):
+    health = health_pb2_grpc.HealthStub(service["channel"]).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    dev = service["device"]
+    # The unary path (its own engine: another transport) first; then the default, the step stream.
+    unary_engine = Transport(TransportConfig(peer_id=f"engine-unary-{service['kind']}", kind=service["kind"],
+                                             device=dev, self_test=False))
+    try:
+        unary = remote(service, unary_engine, feature_slot_bytes=align(7 * WIDTH * 4), rpc_style="unary")
+        _check_plan(service, unary)
+        unary.close()
+    finally:
+        unary_engine.close()
+    drafter = remote(service, feature_slot_bytes=align(7 * WIDTH * 4))  # 7 rows per slot: long prompts are split
+    assert drafter.rpc_style == "stream"
+    positions = _check_plan(service, drafter)
     drafter.release(["a", "b", "nope"])
     from ddtree.drafter.client import DrafterContextLost
 

@@ -6,6 +6,7 @@ refs resolve to views of the drafter's output ring. Those views stay valid until
 Drafts have been answered (the drafter's ring depth); copy them if they must live longer.
 A prompt whose features do not fit one slot is sent in several Draft calls of increasing position
 (the intermediate drafts are discarded), so the region never has to hold a whole long prompt.
+Draft messages go over one long-lived stream (rpc_style="stream", the default) or as unary calls.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class RemoteDrafter(RemotePeer):
     def __init__(self, channel: grpc.Channel, transport: Transport, *, block_size: int, vocab_size: int,
                  feature_width: int, feature_dtype: torch.dtype = torch.bfloat16,
                  feature_slot_bytes: int = 64 << 20, slots: int = 2, name: str = "dflash-remote",
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, rpc_style: str = "stream"):
         self.name, self.block_size, self.vocab_size = name, block_size, vocab_size
         self.feature_width, self.feature_dtype, self.timeout_s = feature_width, feature_dtype, timeout_s
         self.row_bytes = feature_width * feature_dtype.itemsize
@@ -49,6 +50,8 @@ class RemoteDrafter(RemotePeer):
         self.region = transport.create_region(FEATURE_REGION, slots, feature_slot_bytes)
         self.stub = drafter_pb2_grpc.DrafterStub(channel)
         self.link = PeerLink(transport, channel, self.stub.Attach)
+        self.rpc_style = rpc_style
+        self._draft_rpc = self._step_rpc(self.stub.Draft, self.stub.DraftStream, "ddtree.v1.Drafter/Draft")
         self._slot = 0
         self.last_timing = None  # ServerTiming of the last Draft (server_ms, gpu_ms)
         self._call(self.link.attach, timeout=timeout_s)
@@ -119,7 +122,7 @@ class RemoteDrafter(RemotePeer):
                 offset = align(offset + features.numel() * features.element_size())
                 entry.context_features.CopyFrom(self.link.send(ref))
         self.region.record(slot)
-        reply = self._call(self.stub.Draft, request, timeout=self.timeout_s, metadata=self.link.metadata)
+        reply = self._call(self._draft_rpc, request)
         self.last_timing = reply.timing
         return self.link.resolve(reply.top_logprobs), self.link.resolve(reply.top_ids)
 

@@ -80,4 +80,4 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("drafter")
     provider = setup_tracing("ddtree-drafter")
     server, servicer, transport = build_server(args, provider)  # weights loaded, transport proven
-    return serve_until_stopped(server, on_stop=transport.close, block_size=servicer.model.config.block_size)
+    return serve_until_stopped(server, on_stop=lambda: (servicer.streams.end(), transport.close()), block_size=servicer.model.config.block_size)

@@ -4,6 +4,8 @@ Attach: the transport's attach (imports the caller's feature regions, returns ou
 Draft:  resolve each item's context-feature ref, `draft_topk`, write [B, D, K] log-probs and ids
         into one slot of our region, record the slot's event, reply with refs + ServerTiming.
 Release: free the requests' context.
+DraftStream: Draft per message of one long-lived stream per engine (the default step path); a
+        message Draft refuses ends the stream with Draft's status, the engine reopens it.
 Request ids are namespaced by the calling peer's id, so two engines never share a context.
 Bad input -> INVALID_ARGUMENT naming the problem (nothing changes for any request); a full
 context cache -> RESOURCE_EXHAUSTED; the service keeps serving either way.
@@ -20,6 +22,7 @@ import torch
 from opentelemetry import trace
 
 from ddtree.models.dflash import ContextCacheFull, DFlashDrafter, DrafterContextCache
+from ddtree.step_stream import OpenStreams, serve_each
 from ddtree.telemetry.spans import DRAFT, SERVER_GPU_MS, GpuTimer
 from ddtree.transport import Transport, TransportError, align, attach, peer_id_of, serve_peer, transport_errors
 from ddtree.v1 import drafter_pb2, drafter_pb2_grpc, tensor_pb2
@@ -57,6 +60,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.tracer = tracer or trace.get_tracer("ddtree.drafter")
         self.output = transport.create_region(OUTPUT_REGION, limits.slots, limits.slot_bytes(cfg.draft_length))
         self.timer = GpuTimer(enabled=model.device.type == "cuda", device=model.device)
+        self.streams = OpenStreams()   # end them with self.streams.end() when the server stops
         self._lock = threading.Lock()   # one draft at a time: the model, cache and ring are not shared
         self._next_slot = 0
         self._peers_with_requests: set[str] = set()
@@ -85,6 +89,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         reply.timing.server_ms = (time.perf_counter() - start) * 1e3
         reply.timing.gpu_ms = gpu_ms
         return reply
+
+    def DraftStream(self, requests, context: grpc.ServicerContext):
+        """Draft per message of the engine's long-lived stream; a refused one ends the stream."""
+        return serve_each(self.Draft, requests, context, streams=self.streams, tracer=self.tracer,
+                          span_name="ddtree.v1.Drafter/Draft", stream_name="ddtree.v1.Drafter/DraftStream")
 
     def Release(self, request: drafter_pb2.ReleaseRequest, context: grpc.ServicerContext):
         with transport_errors(context):

@@ -7,6 +7,7 @@ process, or ar) instead of failing requests.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -20,18 +21,44 @@ class PeerUnavailable(RuntimeError):
     """A remote drafter or tree builder could not serve a call (unreachable, crashed, timed out)."""
 
 
+RPC_STYLES = ("stream", "unary")
+
+
 class RemotePeer:
     """Lifecycle shared by the remote drafter and tree builder. Subclasses set `self.link` (a
-    ddtree.transport.PeerLink) and `self.timeout_s`, and define `_call(fn, *args, **kwargs)`, which
-    maps the peer's failures to PeerUnavailable (the engine degrades) or ValueError (refused)."""
+    ddtree.transport.PeerLink), `self.timeout_s` and `self.rpc_style` (one of RPC_STYLES), and
+    define `_call(fn, *args, **kwargs)`, which maps the peer's failures to PeerUnavailable (the
+    engine degrades) or ValueError (refused)."""
+
+    def _step_rpc(self, unary, stream, span_name: str):
+        """A per-step RPC as `request -> reply`: each call its own unary RPC, or ("stream", the
+        default) messages of one long-lived bidi stream, opened lazily and reopened after a failure
+        (ddtree.step_stream). Either way failures are grpc.RpcErrors for `_call` to map."""
+        if self.rpc_style not in RPC_STYLES:
+            raise ValueError(f"rpc_style={self.rpc_style!r}: choose one of {', '.join(RPC_STYLES)}")
+        if self.rpc_style == "unary":
+            return functools.partial(unary, timeout=self.timeout_s, metadata=self.link.metadata)
+        from ddtree.step_stream import StepStream
+
+        step_stream = StepStream(stream, self.link.metadata, self.timeout_s, span_name=span_name,
+                                 stream_name=span_name + "Stream")
+        self.__dict__.setdefault("_streams", []).append(step_stream)
+        return step_stream.call
+
+    def _close_streams(self) -> None:
+        for step_stream in self.__dict__.get("_streams", ()):
+            step_stream.close()
 
     def reattach(self) -> None:
-        """Attaches again (after the peer restarted); whatever it held for us is gone."""
+        """Attaches again (after the peer restarted); whatever it held for us is gone (our step
+        streams too: the next step opens new ones)."""
+        self._close_streams()
         self._call(self.link.attach, timeout=self.timeout_s)
 
     def close(self) -> None:
         import grpc
 
+        self._close_streams()
         try:
             self.link.detach()
         except grpc.RpcError:

@@ -56,7 +56,8 @@ def wait_serving(endpoint: str, what: str, wait_s: float) -> None:
             time.sleep(0.5)
 
 
-def connect_drafter(endpoint: str, transport, *, drafter_dir: str, target, wait_s: float = 120.0):
+def connect_drafter(endpoint: str, transport, *, drafter_dir: str, target, wait_s: float = 120.0,
+                    rpc_style: str = "stream"):
     """A RemoteDrafter attached to the drafter service at `endpoint` (waits for it up to wait_s)."""
     from ddtree.drafter.client import RemoteDrafter
     from ddtree.models.dflash_config import DFlashConfig
@@ -69,7 +70,7 @@ def connect_drafter(endpoint: str, transport, *, drafter_dir: str, target, wait_
     wait_serving(endpoint, f"drafter at {endpoint}", wait_s)
     return RemoteDrafter(traced_channel(endpoint), transport, block_size=cfg.block_size, vocab_size=cfg.vocab_size,
                          feature_width=cfg.feature_width, feature_dtype=target.model.dtype,
-                         name=f"remote:{os.path.basename(os.path.normpath(drafter_dir))}")
+                         name=f"remote:{os.path.basename(os.path.normpath(drafter_dir))}", rpc_style=rpc_style)
 
 
 TREE_INPUT_REGION = "engine/tree_inputs"
@@ -83,12 +84,14 @@ class RemoteTree(RemotePeer):
     Build: top-k written into a slot of our region "engine/tree_inputs", trees read back from the
     sidecar's ring. Accept: the step's trees are sent as TreeRefs (a step may merge several
     builds: ddtree rows, chain rows, ar roots), with the posterior, in one slot of ours.
+    Build and Accept messages go over one long-lived stream each (rpc_style="stream", the
+    default) or as unary calls.
     """
 
     name = "remote"
 
     def __init__(self, channel: grpc.Channel, transport, *, max_batch: int, max_budget: int, draft_len: int,
-                 max_top_k: int = 64, slots: int = 4, timeout_s: float = 30.0):
+                 max_top_k: int = 64, slots: int = 4, timeout_s: float = 30.0, rpc_style: str = "stream"):
         from ddtree.transport import PeerLink, align
         from ddtree.v1 import treebuild_pb2_grpc
 
@@ -99,7 +102,10 @@ class RemoteTree(RemotePeer):
         self.region = transport.create_region(TREE_INPUT_REGION, slots, max(build, accept))
         self.stub = treebuild_pb2_grpc.TreeBuilderStub(channel)
         self.link = PeerLink(transport, channel, self.stub.Attach)
-        self.timeout_s, self._slot = timeout_s, 0
+        self.timeout_s, self.rpc_style, self._slot = timeout_s, rpc_style, 0
+        self._build_rpc = self._step_rpc(self.stub.Build, self.stub.BuildStream, "ddtree.v1.TreeBuilder/Build")
+        self._accept_rpc = self._step_rpc(self.stub.Accept, self.stub.AcceptStream,
+                                          "ddtree.v1.TreeBuilder/Accept")
         self.last_timing = None
         self.reattach()
 
@@ -135,9 +141,8 @@ class RemoteTree(RemotePeer):
 
         budgets = list(budget) if not isinstance(budget, int) else [budget]
         lp_ref, ids_ref = self._put([top_logprobs.float(), top_ids.to(torch.int32)])
-        reply = self._call(self.stub.Build, treebuild_pb2.BuildRequest(
-            step_id=step_id, top_logprobs=lp_ref, top_ids=ids_ref, budgets=budgets),
-            timeout=self.timeout_s, metadata=self.link.metadata)
+        reply = self._call(self._build_rpc, treebuild_pb2.BuildRequest(
+            step_id=step_id, top_logprobs=lp_ref, top_ids=ids_ref, budgets=budgets))
         self.last_timing = reply.timing
         t = reply.trees
         got = [self._call(self.link.resolve, getattr(t, f)).cpu().clone() for f in FIELDS]
@@ -149,10 +154,9 @@ class RemoteTree(RemotePeer):
         tokens, depths, parents, num_nodes, post = self._put(
             [trees.tokens.to(torch.int32), trees.depths.to(torch.int32), trees.parents.to(torch.int32),
              trees.num_nodes.to(torch.int32), posterior.to(torch.int32)])
-        reply = self._call(self.stub.Accept, treebuild_pb2.AcceptRequest(
+        reply = self._call(self._accept_rpc, treebuild_pb2.AcceptRequest(
             step_id=step_id, posterior=post,
-            trees=treebuild_pb2.TreeRefs(tokens=tokens, depths=depths, parents=parents, num_nodes=num_nodes)),
-            timeout=self.timeout_s, metadata=self.link.metadata)
+            trees=treebuild_pb2.TreeRefs(tokens=tokens, depths=depths, parents=parents, num_nodes=num_nodes)))
         self.last_timing = reply.timing
         path, length, bonus, keep = (self._call(self.link.resolve, getattr(reply, f)).cpu().clone()
                                      for f in ("path", "length", "bonus", "keep"))
@@ -160,8 +164,8 @@ class RemoteTree(RemotePeer):
 
 
 def connect_treebuild(endpoint: str, transport, *, max_batch: int, max_budget: int, draft_len: int,
-                      max_top_k: int = 64, wait_s: float = 120.0) -> RemoteTree:
+                      max_top_k: int = 64, wait_s: float = 120.0, rpc_style: str = "stream") -> RemoteTree:
     """A RemoteTree attached to the sidecar at `endpoint` (waits for it up to wait_s)."""
     wait_serving(endpoint, f"tree-build sidecar at {endpoint}", wait_s)
     return RemoteTree(traced_channel(endpoint), transport, max_batch=max_batch, max_budget=max_budget,
-                      draft_len=draft_len, max_top_k=max_top_k)
+                      draft_len=draft_len, max_top_k=max_top_k, rpc_style=rpc_style)

@@ -63,4 +63,4 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("treebuild")
     provider = setup_tracing("ddtree-treebuild")
     server, servicer, transport = build_server(args, provider)  # transport proven, kernels loaded
-    return serve_until_stopped(server, on_stop=transport.close, backend=servicer.backend)
+    return serve_until_stopped(server, on_stop=lambda: (servicer.streams.end(), transport.close()), backend=servicer.backend)

@@ -7,6 +7,8 @@ Build:  resolve the [B, D, K] top-k refs (regions the caller exported at Attach:
         from CUDA events).
 Accept: walk the trees of `step_id` kept from Build (or the TreeRefs sent) with the caller's
         posterior, write path/length/bonus/keep into a slot of "treebuild/accept".
+BuildStream / AcceptStream: Build / Accept per message of one long-lived stream per engine (the
+        default step path); a message the unary RPC refuses ends the stream with its status.
 Bad input -> INVALID_ARGUMENT naming the problem; Accept of a step never built (or evicted from
 the ring) -> FAILED_PRECONDITION. The service keeps serving either way.
 """
@@ -22,6 +24,7 @@ import grpc
 import torch
 from opentelemetry import trace
 
+from ddtree.step_stream import OpenStreams, serve_each
 from ddtree.telemetry.spans import ACCEPT, SERVER_GPU_MS, TREE_BUILD, GpuTimer
 from ddtree.transport import Region, Transport, TransportError, align, attach, serve_peer
 from ddtree.transport.region import check_ref
@@ -105,6 +108,7 @@ class TreeBuilderServicer(treebuild_pb2_grpc.TreeBuilderServicer):
                 raise ValueError(f"transport kind puts region {region.name!r} on {region.device}, but the "
                                  f"{self.backend} backend runs on {self.device}: use cuda_ipc on a GPU, shm on CPU")
         self.timer = GpuTimer(enabled=self.backend == "cuda", device=self.device)
+        self.streams = OpenStreams()   # end them with self.streams.end() when the server stops
         self._lock = threading.Lock()  # one call at a time: the rings and the step table are shared
         self._next_trees_slot = 0
         self._next_accept_slot = 0
@@ -152,6 +156,16 @@ class TreeBuilderServicer(treebuild_pb2_grpc.TreeBuilderServicer):
         reply.timing.server_ms = (time.perf_counter() - start) * 1e3
         reply.timing.gpu_ms = gpu_ms
         return reply
+
+    def BuildStream(self, requests, context: grpc.ServicerContext):
+        """Build per message of the engine's long-lived stream; a refused one ends the stream."""
+        return serve_each(self.Build, requests, context, streams=self.streams, tracer=self.tracer,
+                          span_name="ddtree.v1.TreeBuilder/Build", stream_name="ddtree.v1.TreeBuilder/BuildStream")
+
+    def AcceptStream(self, requests, context: grpc.ServicerContext):
+        """Accept per message of the engine's long-lived stream; a refused one ends the stream."""
+        return serve_each(self.Accept, requests, context, streams=self.streams, tracer=self.tracer,
+                          span_name="ddtree.v1.TreeBuilder/Accept", stream_name="ddtree.v1.TreeBuilder/AcceptStream")
 
     # -- work ------------------------------------------------------------------------------------
     def _input(self, peer, ref: tensor_pb2.TensorRef, name: str) -> torch.Tensor:
