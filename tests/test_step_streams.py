@@ -5,6 +5,7 @@ a killed sidecar is PeerUnavailable and re-attach works once it is back; a reply
 times out; a stopping server ends its streams instead of waiting its grace period."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import time
 import grpc
 import pytest
 import torch
+from opentelemetry import trace
 
 from ddtree.engine.backends import PeerUnavailable
 from ddtree.engine.remote import RemoteTree, traced_channel, wait_serving
@@ -27,6 +29,8 @@ from test_tree import assert_trees_equal, deepest_path, path_posterior
 from test_treebuild_service import SERVER
 
 MAX_BATCH, MAX_BUDGET, DEPTH, K = 4, 48, 5, 6
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")} | {
+    "DDTREE_TRANSPORT_KIND": "shm", "PYTHONUNBUFFERED": "1"}
 
 
 def _free_port() -> int:
@@ -39,18 +43,12 @@ def _start_sidecar(port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-c", SERVER, "treebuild", "--device", "cpu", "--port", str(port), "--max-batch",
          str(MAX_BATCH), "--max-budget", str(MAX_BUDGET), "--max-depth", "8", "--slots", "3", "--threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={**_env(), "PYTHONUNBUFFERED": "1"}, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=ENV, text=True)
     line = proc.stdout.readline()
     if not line.startswith("treebuild listening on"):
         proc.kill()
         raise AssertionError(f"sidecar did not start: {line!r}")
     return proc
-
-
-def _env():
-    import os
-
-    return {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")} | {"DDTREE_TRANSPORT_KIND": "shm"}
 
 
 @pytest.fixture(scope="module")
@@ -159,19 +157,20 @@ class _Msg(bytes):
 
 def test_step_stream_pairs_replies_in_order_and_times_out():
     echo, streams = _Echo(), OpenStreams()
-    tracer = __import__("opentelemetry").trace.get_tracer("test")
-    ident = lambda b: b  # noqa: E731
-    handler = grpc.method_handlers_generic_handler("test.Steps", {"Echo": grpc.stream_stream_rpc_method_handler(
-        lambda requests, context: serve_each(echo, (_Msg(r) for r in requests), context, streams=streams,
-                                             tracer=tracer, span_name="test.Steps/Echo", stream_name="test.Steps/Echo"),
-        ident, ident)})
+    tracer, ident = trace.get_tracer("test"), lambda b: b  # noqa: E731
+
+    def steps(requests, context):
+        return serve_each(echo, (_Msg(r) for r in requests), context, streams=streams, tracer=tracer,
+                          span_name="test.Steps/Echo", stream_name="test.Steps/Echo")
+    handler = grpc.method_handlers_generic_handler(
+        "test.Steps", {"Echo": grpc.stream_stream_rpc_method_handler(steps, ident, ident)})
     server = GrpcServer(ServerConfig(name="steps", port=0, grace_s=5.0))
     server.add_generic(handler, "test.Steps")
     port = server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
-        stream = StepStream(channel.stream_stream("/test.Steps/Echo", request_serializer=bytes), (), timeout_s=0.5, span_name="test.Steps/Echo",
-                            stream_name="test.Steps/Echo")
+        stream = StepStream(channel.stream_stream("/test.Steps/Echo", request_serializer=bytes), (), timeout_s=0.5,
+                            span_name="test.Steps/Echo", stream_name="test.Steps/Echo")
         for i in range(50):
             assert stream.call(_Msg(b"m%d" % i)) == b"m%d" % i
         start = time.monotonic()

@@ -80,4 +80,8 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("drafter")
     provider = setup_tracing("ddtree-drafter")
     server, servicer, transport = build_server(args, provider)  # weights loaded, transport proven
-    return serve_until_stopped(server, on_stop=lambda: (servicer.streams.end(), transport.close()), block_size=servicer.model.config.block_size)
+    def stop() -> None:  # open step streams would hold the stop for its whole grace period
+        servicer.streams.end()
+        transport.close()
+
+    return serve_until_stopped(server, on_stop=stop, block_size=servicer.model.config.block_size)

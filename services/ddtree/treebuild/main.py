@@ -63,4 +63,8 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("treebuild")
     provider = setup_tracing("ddtree-treebuild")
     server, servicer, transport = build_server(args, provider)  # transport proven, kernels loaded
-    return serve_until_stopped(server, on_stop=lambda: (servicer.streams.end(), transport.close()), backend=servicer.backend)
+    def stop() -> None:  # open step streams would hold the stop for its whole grace period
+        servicer.streams.end()
+        transport.close()
+
+    return serve_until_stopped(server, on_stop=stop, backend=servicer.backend)
