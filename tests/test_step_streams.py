@@ -29,8 +29,7 @@ from test_tree import assert_trees_equal, deepest_path, path_posterior
 from test_treebuild_service import SERVER
 
 MAX_BATCH, MAX_BUDGET, DEPTH, K = 4, 48, 5, 6
-ENV = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")} | {
-    "DDTREE_TRANSPORT_KIND": "shm", "PYTHONUNBUFFERED": "1"}
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")} | {"PYTHONUNBUFFERED": "1"}
 
 
 def _free_port() -> int:
@@ -39,11 +38,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_sidecar(port: int) -> subprocess.Popen:
+def _start_sidecar(sidecar: dict) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVER, "treebuild", "--device", "cpu", "--port", str(port), "--max-batch",
-         str(MAX_BATCH), "--max-budget", str(MAX_BUDGET), "--max-depth", "8", "--slots", "3", "--threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=ENV, text=True)
+        [sys.executable, "-c", SERVER, "treebuild", "--device", sidecar["device"], "--port", str(sidecar["port"]),
+         "--max-batch", str(MAX_BATCH), "--max-budget", str(MAX_BUDGET), "--max-depth", "8", "--slots", "3",
+         "--threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={**ENV, "DDTREE_TRANSPORT_KIND": sidecar["kind"]},
+        text=True)
     line = proc.stdout.readline()
     if not line.startswith("treebuild listening on"):
         proc.kill()
@@ -51,18 +52,20 @@ def _start_sidecar(port: int) -> subprocess.Popen:
     return proc
 
 
-@pytest.fixture(scope="module")
-def sidecar():
-    port = _free_port()
-    state = {"port": port, "proc": _start_sidecar(port)}
+@pytest.fixture(scope="module", params=[pytest.param(("cpu", "shm"), id="cpu-shm"),
+                                       pytest.param(("cuda", "cuda_ipc"), id="cuda-ipc", marks=pytest.mark.cuda)])
+def sidecar(request):
+    device, kind = request.param
+    state = {"port": _free_port(), "device": device, "kind": kind}
+    state["proc"] = _start_sidecar(state)
     yield state
     if state["proc"].poll() is None:
         state["proc"].kill()
         state["proc"].wait()
 
 
-def _engine(name: str) -> Transport:
-    return Transport(TransportConfig(peer_id=name, kind="shm", device="cpu", self_test=False))
+def _engine(sidecar, name: str) -> Transport:
+    return Transport(TransportConfig(peer_id=name, kind=sidecar["kind"], device=sidecar["device"], self_test=False))
 
 
 def _remote(sidecar, transport, **kw) -> RemoteTree:
@@ -87,7 +90,7 @@ def _step(tree: RemoteTree, step: int, gen: torch.Generator) -> None:
 
 
 def test_stream_and_unary_give_the_library_results_and_a_refused_message_reopens_the_stream(sidecar):
-    engines = {style: _engine(f"engine-{style}") for style in ("stream", "unary")}
+    engines = {style: _engine(sidecar, f"engine-{style}") for style in ("stream", "unary")}
     try:
         trees = {style: _remote(sidecar, t, rpc_style=style) for style, t in engines.items()}
         for style, tree in trees.items():
@@ -101,7 +104,7 @@ def test_stream_and_unary_give_the_library_results_and_a_refused_message_reopens
                 stream.build(99, lp, ids, [MAX_BUDGET + 1])
         _step(stream, 6, torch.Generator().manual_seed(3))  # the next call works
         with pytest.raises(ValueError, match="rpc_style='udp'"):
-            _remote(sidecar, _engine("engine-bad"), rpc_style="udp")
+            _remote(sidecar, engines["stream"], rpc_style="udp")  # before it creates anything
         for tree in trees.values():
             tree.close()
     finally:
@@ -110,7 +113,7 @@ def test_stream_and_unary_give_the_library_results_and_a_refused_message_reopens
 
 
 def test_killed_sidecar_is_unavailable_then_reattach_works_and_stop_ends_streams(sidecar):
-    transport = _engine("engine-restart")
+    transport = _engine(sidecar, "engine-restart")
     try:
         tree = _remote(sidecar, transport)
         gen = torch.Generator().manual_seed(5)
@@ -121,7 +124,7 @@ def test_killed_sidecar_is_unavailable_then_reattach_works_and_stop_ends_streams
             _step(tree, 1, gen)
         with pytest.raises(PeerUnavailable):  # still down: a new stream fails the same way
             _step(tree, 1, gen)
-        sidecar["proc"] = _start_sidecar(sidecar["port"])
+        sidecar["proc"] = _start_sidecar(sidecar)
         wait_serving(f"127.0.0.1:{sidecar['port']}", "sidecar", 30)
         tree.reattach()
         for step in range(2, 5):

@@ -17,7 +17,7 @@ from typing import Sequence
 import grpc
 import torch
 
-from ddtree.engine.backends import DraftItem, PeerUnavailable, RemotePeer
+from ddtree.engine.backends import DraftItem, PeerUnavailable, RemotePeer, check_rpc_style
 from ddtree.models.dflash import UNKNOWN_REQUEST
 from ddtree.transport import PeerLink, Transport, align
 from ddtree.v1 import drafter_pb2, drafter_pb2_grpc
@@ -42,6 +42,7 @@ class RemoteDrafter(RemotePeer):
                  feature_width: int, feature_dtype: torch.dtype = torch.bfloat16,
                  feature_slot_bytes: int = 64 << 20, slots: int = 2, name: str = "dflash-remote",
                  timeout_s: float = 30.0, rpc_style: str = "stream"):
+        self.rpc_style = check_rpc_style(rpc_style)
         self.name, self.block_size, self.vocab_size = name, block_size, vocab_size
         self.feature_width, self.feature_dtype, self.timeout_s = feature_width, feature_dtype, timeout_s
         self.row_bytes = feature_width * feature_dtype.itemsize
@@ -50,7 +51,6 @@ class RemoteDrafter(RemotePeer):
         self.region = transport.create_region(FEATURE_REGION, slots, feature_slot_bytes)
         self.stub = drafter_pb2_grpc.DrafterStub(channel)
         self.link = PeerLink(transport, channel, self.stub.Attach)
-        self.rpc_style = rpc_style
         self._draft_rpc = self._step_rpc(self.stub.Draft, self.stub.DraftStream, "ddtree.v1.Drafter/Draft")
         self._slot = 0
         self.last_timing = None  # ServerTiming of the last Draft (server_ms, gpu_ms)

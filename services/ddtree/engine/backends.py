@@ -24,6 +24,12 @@ class PeerUnavailable(RuntimeError):
 RPC_STYLES = ("stream", "unary")
 
 
+def check_rpc_style(rpc_style: str) -> str:
+    if rpc_style not in RPC_STYLES:
+        raise ValueError(f"rpc_style={rpc_style!r}: choose one of {', '.join(RPC_STYLES)}")
+    return rpc_style
+
+
 class RemotePeer:
     """Lifecycle shared by the remote drafter and tree builder. Subclasses set `self.link` (a
     ddtree.transport.PeerLink), `self.timeout_s` and `self.rpc_style` (one of RPC_STYLES), and
@@ -34,8 +40,6 @@ class RemotePeer:
         """A per-step RPC as `request -> reply`: each call its own unary RPC, or ("stream", the
         default) messages of one long-lived bidi stream, opened lazily and reopened after a failure
         (ddtree.step_stream). Either way failures are grpc.RpcErrors for `_call` to map."""
-        if self.rpc_style not in RPC_STYLES:
-            raise ValueError(f"rpc_style={self.rpc_style!r}: choose one of {', '.join(RPC_STYLES)}")
         if self.rpc_style == "unary":
             return functools.partial(unary, timeout=self.timeout_s, metadata=self.link.metadata)
         from ddtree.step_stream import StepStream

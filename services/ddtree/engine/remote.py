@@ -15,7 +15,7 @@ import time
 import grpc
 import torch
 
-from ddtree.engine.backends import FIELDS, Accepted, PeerUnavailable, RemotePeer, TreeBatch
+from ddtree.engine.backends import FIELDS, Accepted, PeerUnavailable, RemotePeer, TreeBatch, check_rpc_style
 from ddtree.grpc_options import channel_options
 from ddtree.telemetry import TracingClientInterceptor
 
@@ -96,13 +96,14 @@ class RemoteTree(RemotePeer):
         from ddtree.v1 import treebuild_pb2_grpc
 
         self._align = align
+        self.rpc_style = check_rpc_style(rpc_style)
         b, n, d, k = max_batch, max_budget, draft_len, min(max_top_k, max_budget)
         build = 2 * align(b * d * k * 4)
         accept = 2 * align(b * n * 4) + 2 * align(b * (n + 1) * 4) + align(b * 4)
         self.region = transport.create_region(TREE_INPUT_REGION, slots, max(build, accept))
         self.stub = treebuild_pb2_grpc.TreeBuilderStub(channel)
         self.link = PeerLink(transport, channel, self.stub.Attach)
-        self.timeout_s, self.rpc_style, self._slot = timeout_s, rpc_style, 0
+        self.timeout_s, self._slot = timeout_s, 0
         self._build_rpc = self._step_rpc(self.stub.Build, self.stub.BuildStream, "ddtree.v1.TreeBuilder/Build")
         self._accept_rpc = self._step_rpc(self.stub.Accept, self.stub.AcceptStream,
                                           "ddtree.v1.TreeBuilder/Accept")
