@@ -66,6 +66,7 @@ def test_demo_runs_prompts_and_prints_stats_and_breakdown(pair, subprocess_env):
     elapsed = time.monotonic() - start
     out = result.stdout
     assert result.returncode == 0, f"stdout:\n{out}\nstderr:\n{result.stderr[-6000:]}"
+    assert "degraded:" not in out, out  # drafter and sidecar served every step
     assert elapsed < DEMO_TIME_BOUND_S, f"the demo took {elapsed:.0f}s"
     assert "Traceback" not in result.stderr
 

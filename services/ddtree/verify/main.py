@@ -34,6 +34,9 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--drafter", default=None, help="DFlash drafter checkpoint directory (none: ar only)")
     m.add_argument("--drafter-endpoint", default=None, help="HOST:PORT of a drafter service (default: in process)")
     m.add_argument("--treebuild-endpoint", default=None, help="HOST:PORT of a tree-build sidecar (default: in process)")
+    m.add_argument("--rpc-style", choices=("stream", "unary"), default="stream",
+                   help="per-step calls to the drafter/sidecar: one bidi stream per peer (default; measured "
+                        "~2.4x cheaper per message) or one unary RPC per call")
     m.add_argument("--peer-wait-s", type=float, default=120.0,
                    help="how long to wait for the drafter / sidecar at start (default 120)")
     m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one per GPU (default 1)")
@@ -52,7 +55,7 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
     s.add_argument("--max-context", type=int, default=None, help="prompt + generated tokens (default: the model's)")
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted (default 4096)")
-    s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when the client gives 0")
+    s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when the client leaves it unset")
     s.add_argument("--tokens-per-step", type=int, default=512, help="budget policy: verify tokens per step")
     s.add_argument("--min-budget", type=int, default=4, help="budget policy: smallest per-request budget")
     s.add_argument("--max-budget", type=int, default=256, help="largest tree budget (policy and clients)")
@@ -144,11 +147,12 @@ def serve(args, provider, log: logging.Logger) -> int:
         transport = verify_transport(target)
         if args.drafter_endpoint:
             drafter = connect_drafter(args.drafter_endpoint, transport, drafter_dir=args.drafter, target=target,
-                                      wait_s=args.peer_wait_s)
+                                      wait_s=args.peer_wait_s, rpc_style=args.rpc_style)
         if args.treebuild_endpoint:
             tree = connect_treebuild(args.treebuild_endpoint, transport, max_batch=config.scheduler.max_running,
                                      max_budget=config.budget.max_budget, max_top_k=config.max_top_k,
-                                     draft_len=drafter.block_size - 1 if drafter else 32, wait_s=args.peer_wait_s)
+                                     draft_len=drafter.block_size - 1 if drafter else 32, wait_s=args.peer_wait_s,
+                                     rpc_style=args.rpc_style)
 
     def on_fatal(exc: BaseException) -> None:  # the target failed: stop serving (a supervisor restarts us)
         log.error("engine failed (%s); stopping the verify service", exc)
