@@ -25,8 +25,6 @@ from ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 log = logging.getLogger(__name__)
 
 FEATURE_REGION = "engine/draft_features"
-UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-               grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
 
 class DrafterContextLost(PeerUnavailable):
@@ -37,6 +35,8 @@ class DrafterContextLost(PeerUnavailable):
 
 class RemoteDrafter(RemotePeer):
     """A DrafterBackend (ddtree.engine.backends) served by `ddtree serve drafter`."""
+
+    peer_name = "drafter"
 
     def __init__(self, channel: grpc.Channel, transport: Transport, *, block_size: int, vocab_size: int,
                  feature_width: int, feature_dtype: torch.dtype = torch.bfloat16,
@@ -126,13 +126,7 @@ class RemoteDrafter(RemotePeer):
         self.last_timing = reply.timing
         return self.link.resolve(reply.top_logprobs), self.link.resolve(reply.top_ids)
 
-    def _call(self, fn, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            if code in UNAVAILABLE:
-                raise PeerUnavailable(f"drafter: {code.name if code else 'error'}: {exc.details()}") from None
-            if code == grpc.StatusCode.INVALID_ARGUMENT and (exc.details() or "").startswith(UNKNOWN_REQUEST):
-                raise DrafterContextLost(f"drafter: {exc.details()}") from None
-            raise ValueError(f"drafter refused the call: {exc.details()}") from None
+    def _refused(self, code, details: str) -> Exception:
+        if code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(UNKNOWN_REQUEST):
+            return DrafterContextLost(f"drafter: {details}")
+        return super()._refused(code, details)

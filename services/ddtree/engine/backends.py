@@ -31,10 +31,29 @@ def check_rpc_style(rpc_style: str) -> str:
 
 
 class RemotePeer:
-    """Lifecycle shared by the remote drafter and tree builder. Subclasses set `self.link` (a
-    ddtree.transport.PeerLink), `self.timeout_s` and `self.rpc_style` (one of RPC_STYLES), and
-    define `_call(fn, *args, **kwargs)`, which maps the peer's failures to PeerUnavailable (the
-    engine degrades) or ValueError (refused)."""
+    """Lifecycle and failure mapping shared by the remote drafter and tree builder. Subclasses set
+    `peer_name`, `self.link` (a ddtree.transport.PeerLink), `self.timeout_s` and `self.rpc_style`
+    (one of RPC_STYLES). `_call` runs a call and maps the peer's failures to PeerUnavailable (the
+    engine degrades) or, through `_refused`, to the error of a refused call."""
+
+    peer_name = "peer"
+    # gRPC codes that mean "the peer cannot serve now", not "the call was wrong".
+    unavailable_codes = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "INTERNAL", "UNKNOWN")
+
+    def _call(self, fn, *args, **kwargs):
+        import grpc
+
+        try:
+            return fn(*args, **kwargs)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code is not None and code.name in self.unavailable_codes:
+                raise PeerUnavailable(f"{self.peer_name}: {code.name}: {exc.details()}") from None
+            raise self._refused(code, exc.details() or "") from None
+
+    def _refused(self, code, details: str) -> Exception:
+        """The exception for a call the peer refused (code is not in unavailable_codes)."""
+        return ValueError(f"{self.peer_name} refused the call: {details}")
 
     def _step_rpc(self, unary, stream, span_name: str):
         """A per-step RPC as `request -> reply`: each call its own unary RPC, or ("stream", the

@@ -74,8 +74,6 @@ def connect_drafter(endpoint: str, transport, *, drafter_dir: str, target, wait_
 
 
 TREE_INPUT_REGION = "engine/tree_inputs"
-UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-               grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 class RemoteTree(RemotePeer):
@@ -89,6 +87,9 @@ class RemoteTree(RemotePeer):
     """
 
     name = "remote"
+    peer_name = "treebuild"
+    # FAILED_PRECONDITION: Accept of a step a restarted sidecar never built.
+    unavailable_codes = RemotePeer.unavailable_codes + ("FAILED_PRECONDITION",)
 
     def __init__(self, channel: grpc.Channel, transport, *, max_batch: int, max_budget: int, draft_len: int,
                  max_top_k: int = 64, slots: int = 4, timeout_s: float = 30.0, rpc_style: str = "stream"):
@@ -123,19 +124,12 @@ class RemoteTree(RemotePeer):
         return refs
 
     def _call(self, fn, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            if code in UNAVAILABLE:
-                raise PeerUnavailable(f"treebuild: {code.name if code else 'error'}: {exc.details()}") from None
-            raise ValueError(f"treebuild refused the call: {exc.details()}") from None
-        except Exception as exc:  # transport errors (a restarted peer's regions are gone)
-            from ddtree.transport import TransportError
+        from ddtree.transport import TransportError
 
-            if isinstance(exc, TransportError):
-                raise PeerUnavailable(f"treebuild: {exc}") from None
-            raise
+        try:
+            return super()._call(fn, *args, **kwargs)
+        except TransportError as exc:  # a restarted sidecar's regions are gone
+            raise PeerUnavailable(f"treebuild: {exc}") from None
 
     def build(self, step_id, top_logprobs, top_ids, budget):
         from ddtree.v1 import treebuild_pb2
