@@ -156,26 +156,16 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
 
 
 def wait_serving(child: Child, timeout_s: float) -> None:
-    """Polls the gRPC health service until SERVING; raises if the process exits or time runs out."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    """Waits for the child's health service to say SERVING; raises if it exits or time runs out."""
+    from ddtree.health import EXITED, wait_until_serving
 
     host, port = child.endpoint.rsplit(":", 1)
     target = f"{'127.0.0.1' if host in ('0.0.0.0', '::', '[::]') else host}:{port}"
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if child.proc.poll() is not None:
-                raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} during start")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise RuntimeError(f"{child.name} did not become SERVING within {timeout_s:.0f}s")
+    reason = wait_until_serving(target, timeout_s, still_starting=lambda: child.proc.poll() is None)
+    if reason == EXITED:
+        raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} during start")
+    if reason:
+        raise RuntimeError(f"{child.name} did not become SERVING within {timeout_s:.0f}s")
 
 
 def _pump(child: Child, echo: bool) -> None:

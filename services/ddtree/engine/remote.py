@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import grpc
 import torch
@@ -36,24 +35,13 @@ def traced_channel(endpoint: str) -> grpc.Channel:
 
 
 def wait_serving(endpoint: str, what: str, wait_s: float) -> None:
-    """Polls the peer's gRPC health service until SERVING (peers start in parallel with us)."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    """Waits for the peer's health service to say SERVING (peers start in parallel with us)."""
+    from ddtree.health import wait_until_serving
 
-    deadline = time.monotonic() + wait_s
-    with grpc.insecure_channel(endpoint, options=channel_options()) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-                reason = "not serving yet"
-            except grpc.RpcError as exc:
-                reason = exc.code().name
-            if time.monotonic() > deadline:
-                raise ValueError(f"{what} is not serving after {wait_s:.0f}s ({reason})")
-            log.info("waiting for %s (%s)", what, reason)
-            time.sleep(0.5)
+    reason = wait_until_serving(endpoint, wait_s, check_timeout_s=2.0, poll_s=0.5,
+                                on_wait=lambda why: log.info("waiting for %s (%s)", what, why))
+    if reason:
+        raise ValueError(f"{what} is not serving after {wait_s:.0f}s ({reason})")
 
 
 def connect_drafter(endpoint: str, transport, *, drafter_dir: str, target, wait_s: float = 120.0,
