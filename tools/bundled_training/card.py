@@ -54,7 +54,10 @@ def render_card(*, config: dict, corpus: dict, sizes: dict, timing: dict, evalua
         f"**{evaluation['heldout_bits_per_byte']:.3f}** (goal <= {GOALS['heldout_bits_per_byte']}).", "",
         f"Acceptance: {evaluation['prompts']} held-out code prompts (<= {evaluation['prompt_bytes']} bytes, ending "
         f"at a line break), {evaluation['new_tokens']} greedy tokens each, measured by ddtree's engine "
-        f"(`build_local_engine`, float32 on {evaluation['device']}, drafter top-K <= {evaluation['max_top_k']}). "
+        f"(`build_local_engine`, float32 on {evaluation['device']}, drafter top-K <= {evaluation['max_top_k']}, "
+        f"tree build backend: {evaluation.get('tree_backend', 'auto')}"
+        + (": the Python reference, as ddtree._C was not built in that run, so tokens/s understate the "
+           "speculative modes" if evaluation.get('tree_backend') == "reference" else "") + "). "
         "Acceptance length = tokens committed per decode step (accepted draft tokens + the bonus token). "
         + ("Every chain/ddtree output equals ar's token for token." if evaluation["greedy_outputs_equal_ar"] else
            f"**Outputs differing from ar: {evaluation['mismatches']}** (float rounding ties or a bug: investigate)."),

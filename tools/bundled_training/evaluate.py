@@ -73,7 +73,7 @@ def evaluate_pair(cfg: TrainConfig, corpus: Corpus, target_dir: Path, drafter_di
     from transformers import DeepseekV3ForCausalLM
 
     from ddtree.engine.engine import EngineConfig
-    from ddtree.engine.loader import ModelSetup, build_local_engine
+    from ddtree.engine.loader import ModelSetup, build_local_engine, tree_backend
 
     dev = torch.device(device)
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 here (training allowed TF32)
@@ -85,8 +85,9 @@ def evaluate_pair(cfg: TrainConfig, corpus: Corpus, target_dir: Path, drafter_di
     root = Path(corpus.root)
     prompts = [prompt_ids(p, (root / rel).read_bytes().startswith(p)) for rel, p in chosen]
     config = EngineConfig()
-    engine = build_local_engine(ModelSetup(target=str(target_dir), drafter=str(drafter_dir), device=device,
-                                           dtype="float32"), config).start()
+    setup = ModelSetup(target=str(target_dir), drafter=str(drafter_dir), device=device, dtype="float32")
+    backend = tree_backend(setup)  # "reference" when ddtree._C is not built: tokens/s then understate ddtree
+    engine = build_local_engine(setup, config).start()
     try:
         runs = [run_mode(engine, prompts, "ar", 0, cfg.eval_new_tokens),
                 run_mode(engine, prompts, "chain", 0, cfg.eval_new_tokens)]
@@ -106,6 +107,6 @@ def evaluate_pair(cfg: TrainConfig, corpus: Corpus, target_dir: Path, drafter_di
     return {"heldout_bits_per_byte": bpb, "heldout_files": len(corpus.held_out.files),
             "heldout_bytes": corpus.held_out.num_bytes, "prompts": len(prompts),
             "prompt_bytes": cfg.eval_prompt_bytes, "new_tokens": cfg.eval_new_tokens, "device": device,
-            "max_top_k": config.max_top_k, "greedy_outputs_equal_ar": not mismatches, "mismatches": mismatches,
+            "max_top_k": config.max_top_k, "tree_backend": backend, "greedy_outputs_equal_ar": not mismatches, "mismatches": mismatches,
             "runs": runs, "samples": samples,
             "stdlib_root": str(stdlib_root())}
