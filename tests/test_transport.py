@@ -112,6 +112,33 @@ def test_exact_fit_and_empty_tensors_are_accepted(pair):
     assert consumer.resolve("producer", _ref(shape=[0] + [1024] * 7)).numel() == 0   # no stride overflow
 
 
+def test_a_validated_descriptor_is_cached_and_a_changed_one_is_checked_again(pair):
+    producer, consumer, out = pair
+    written = out.view(1, torch.float32, (4, 8))
+    assert out.view(1, torch.float32, (4, 8)) is written            # producer views: checked once
+    with pytest.raises(ValueError, match="does not fit"):
+        out.view(1, torch.float32, (4, 80))
+    written.copy_(torch.arange(32, dtype=torch.float32).reshape(4, 8))
+    ref = out.ref(1, written)
+    first = consumer.resolve("producer", ref)
+    again = tensor_pb2.TensorRef()
+    again.CopyFrom(ref)                                             # a new message, same descriptor
+    assert consumer.resolve("producer", again) is first             # cached view, no re-validation
+    written.fill_(7.0)
+    assert torch.equal(first, torch.full((4, 8), 7.0))              # still a view, not a copy
+    for fields, message in [(dict(shape=[4, 800]), "does not fit"), (dict(slot=3), "slot 3 out of range"),
+                            (dict(offset=2), "not aligned"), (dict(inline_data=b"x" * 128), "inline_data sent")]:
+        bad = _ref(**fields)
+        with pytest.raises(BadTensorRef, match=message):
+            consumer.resolve("producer", bad)
+        with pytest.raises(BadTensorRef, match=message):            # refused again: never cached
+            consumer.resolve("producer", bad)
+    assert consumer.resolve("producer", ref) is first
+    consumer.detach("producer")
+    with pytest.raises(UnknownPeer):
+        consumer.resolve("producer", ref)
+
+
 def test_unknown_peer(pair):
     _, consumer, _ = pair
     with pytest.raises(UnknownPeer, match="peer 'ghost' is not attached"):

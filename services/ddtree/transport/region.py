@@ -23,6 +23,7 @@ MAX_DIMS = 8
 MAX_SLOTS = 1 << 16
 MAX_REGION_BYTES = 1 << 40
 MAX_NAME = 128
+VIEW_CACHE_MAX = 1024     # cached (validated) views per region; cleared when full
 
 
 def kind_name(kind: int) -> str:
@@ -125,14 +126,27 @@ class Region:
             raise ValueError(f"unknown region kind {kind}")
         self.flat = self.memory.tensor
         self._typed = _TypedViews(self.flat)
+        self._views: dict[tuple, torch.Tensor] = {}   # (slot, offset, dtype, shape) -> checked view
+        self._ordinal = self.device.index if self.device.type == "cuda" else None
 
     # --- producing ------------------------------------------------------------------------
     def view(self, slot: int, dtype: torch.dtype, shape: Sequence[int], offset: int = 0) -> torch.Tensor:
-        """A writable tensor inside `slot` at byte `offset` (raises ValueError if it does not fit)."""
+        """A writable tensor inside `slot` at byte `offset` (raises ValueError if it does not fit).
+        Checked once per (slot, dtype, shape, offset); later calls return the same tensor object
+        (write into it freely; do not change its metadata in place: no resize_/as_strided_/set_)."""
+        key = (slot, offset, dtype, tuple(map(int, shape)))
+        tensor = self._views.get(key)
+        if tensor is not None:
+            return tensor
         ref = tensor_pb2.TensorRef(region=self.name, slot=slot, offset=offset, dtype=dtypes.to_wire(dtype),
-                                   shape=list(shape))
+                                   shape=key[3])
         _, shape, start, _ = check_ref(ref, f"region {self.name!r}", self.slot_count, self.slot_bytes)
-        return self._typed(start, dtype, shape)
+        tensor = self._typed(start, dtype, shape)
+        views = self._views
+        if len(views) >= VIEW_CACHE_MAX:
+            views.clear()
+        views[key] = tensor
+        return tensor
 
     def ref(self, slot: int, tensor: torch.Tensor) -> tensor_pb2.TensorRef:
         """The descriptor of `tensor`, a contiguous view inside `slot` (inline: with its bytes)."""
@@ -160,7 +174,7 @@ class Region:
         """cuda_ipc: records the slot's interprocess event after the writes queued on `stream`
         (default: current); peers wait on it before reading. No-op for shm/inline (the reply is the fence)."""
         if self.events:
-            self.events[slot].record(stream if stream is not None else torch.cuda.current_stream(self.device))
+            self.events[slot].record(stream if stream is not None else torch.cuda.current_stream(self._ordinal))
 
     def handle(self, inline: bool = False) -> tensor_pb2.RegionHandle:
         """The RegionHandle peers import once (at Attach); `inline` exports it for a peer that
@@ -189,6 +203,7 @@ class Region:
             self.memory.unlink()
         self.memory.release()
         self.flat = self._typed = None  # type: ignore[assignment]
+        self._views = {}
         self.events = []
 
 
@@ -206,7 +221,11 @@ def decode_inline(ref: tensor_pb2.TensorRef, where: str, slot_count: int, slot_b
 
 
 class ImportedRegion:
-    """A peer's region, mapped once; `resolve` turns its TensorRefs into tensors (no copy)."""
+    """A peer's region, mapped once; `resolve` turns its TensorRefs into tensors (no copy).
+
+    The first ref with a given descriptor (its wire bytes) is validated in full and its view is
+    cached with the slot's event: every later resolve of the same descriptor is one dict lookup
+    (+ the stream wait on cuda_ipc). A ref that fails validation is never cached."""
 
     def __init__(self, peer_id: str, handle: tensor_pb2.RegionHandle, device: torch.device):
         self.peer_id, self.name = peer_id, handle.name
@@ -216,6 +235,7 @@ class ImportedRegion:
         self.slot_count, self.slot_bytes, self.byte_size = handle.slot_count, handle.slot_bytes, handle.byte_size
         self.device = device
         self.events: list = []
+        self._ordinal: int | None = None
         self.memory: Memory | None = None
         self.producer_pid = handle.producer_pid
         if self.kind == SHM:
@@ -224,6 +244,8 @@ class ImportedRegion:
             self._open_cuda(handle)
         self.flat = self.memory.tensor if self.memory is not None else None
         self._typed = _TypedViews(self.flat) if self.flat is not None else None
+        # serialized TensorRef -> (view, slot event or None); inline regions: never filled
+        self._views: dict[bytes, tuple[torch.Tensor, object]] = {}
 
     def _open_cuda(self, handle: tensor_pb2.RegionHandle) -> None:
         from ddtree.transport.cuda_driver import CudaDriverError, driver
@@ -237,6 +259,7 @@ class ImportedRegion:
             raise BadRegionHandle(f"{self.where}: needs one 64-byte event handle per slot "
                                   f"({handle.slot_count}), got {len(handle.event_handles)}")
         self.device = torch.device("cuda", ordinal)
+        self._ordinal = ordinal
         self.memory = CudaIpcMemory(ordinal, handle.byte_size, handle=handle.handle)
         try:
             self.events = [torch.cuda.Event.from_ipc_handle(self.device, e) for e in handle.event_handles]
@@ -244,22 +267,44 @@ class ImportedRegion:
             raise BadRegionHandle(f"{self.where}: cannot open its CUDA IPC events: {exc}") from None
 
     def resolve(self, ref: tensor_pb2.TensorRef) -> torch.Tensor:
-        """The tensor `ref` names; cuda_ipc: the current stream first waits on the slot's event."""
+        """The tensor `ref` names; cuda_ipc: the current stream first waits on the slot's event.
+        Zero-copy kinds return the same tensor object for the same descriptor (cached view): read
+        or write it, but do not change its metadata in place."""
         if self.kind == INLINE:
             return decode_inline(ref, self.where, self.slot_count, self.slot_bytes, self.device)
+        # the wire bytes are the key (cheaper than reading the fields): equal bytes are an equal
+        # descriptor, already validated; a ref with inline_data never matches a cached key
+        key = ref.SerializePartialToString()
+        hit = self._views.get(key)
+        if hit is None:
+            return self._resolve_new(ref, key)
+        tensor, event = hit
+        if event is not None:
+            event.wait(torch.cuda.current_stream(self._ordinal))
+        return tensor
+
+    def _resolve_new(self, ref: tensor_pb2.TensorRef, key: bytes) -> torch.Tensor:
+        """First sight of a descriptor: full validation, then the view, cached."""
         if ref.inline_data:
             raise BadTensorRef(f"{self.where}: inline_data sent for a {kind_name(self.kind)} region")
-        if self.flat is None:
+        views, typed, events = self._views, self._typed, self.events
+        if typed is None:
             raise BadTensorRef(f"{self.where} was released")
         dtype, shape, start, _ = check_ref(ref, self.where, self.slot_count, self.slot_bytes)
-        if self.events:
-            torch.cuda.current_stream(self.device).wait_event(self.events[ref.slot])
-        return self._typed(start, dtype, shape)
+        tensor = typed(start, dtype, shape)
+        event = events[ref.slot] if events else None
+        if len(views) >= VIEW_CACHE_MAX:
+            views.clear()
+        views[key] = (tensor, event)
+        if event is not None:
+            event.wait(torch.cuda.current_stream(self._ordinal))
+        return tensor
 
     def release(self) -> None:
         if self.memory is not None:
             self.memory.release()
         self.flat = self._typed = None
+        self._views = {}
         self.events = []
 
 
