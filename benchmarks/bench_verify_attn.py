@@ -183,16 +183,18 @@ def resources() -> None:
     from ddtree.kernels.mla_verify_triton import _verify_fwd
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     names = _verify_fwd.arg_names
-    aligned = {"QLat", "QRope", "Cache", "Table", "Prefix", "Mask", "Out", "Lse", "stride_qlr", "stride_qlh",
+    aligned = {"QLat", "QRope", "Cache", "Table", "Prefix", "Mask", "Out", "Lse", "OPart", "LsePart", "Counter",
+               "stride_qlr", "stride_qlh",
                "stride_qrr", "stride_qrh", "stride_cp", "stride_cr", "stride_or", "stride_oh", "stride_lr"}
-    for bm, bn, warps, stages, partial in [(64, 32, 8, 3, False), (64, 32, 8, 2, False), (64, 64, 8, 2, False),
-                                           (64, 16, 8, 3, False), (16, 32, 4, 3, True), (16, 64, 4, 2, True)]:
-        const = dict(C=C, R=R, BLOCK_M=bm, BLOCK_N=bn, PARTIAL=partial, TAIL_MASK=True)
+    for bm, bn, warps, stages, partial, fused in [
+            (64, 32, 8, 3, False, False), (64, 32, 8, 3, True, True), (16, 32, 4, 3, True, False),
+            (16, 32, 4, 3, True, True), (16, 32, 4, 5, True, True), (16, 16, 4, 6, True, True),
+            (32, 32, 4, 5, True, True)]:
+        const = dict(C=C, R=R, BLOCK_M=bm, BLOCK_N=bn, PARTIAL=partial, FUSED_MERGE=fused, TAIL_MASK=True)
         sig = {n: "i32" for n in names}
         sig.update({n: "*bf16" for n in ("QLat", "QRope", "Cache", "Out")})
-        sig.update(Table="*i32", Prefix="*i64", Mask="*i64", Lse="*fp32", scale_log2="fp32", **dict.fromkeys(const, "constexpr"))
-        if partial:
-            sig["Out"] = "*fp32"
+        sig.update(Table="*i32", Prefix="*i64", Mask="*i64", Lse="*fp32", OPart="*fp32", LsePart="*fp32",
+                   Counter="*i32", scale_log2="fp32", **dict.fromkeys(const, "constexpr"))
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
         kernel = triton.compile(ASTSource(_verify_fwd, sig, const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=warps, num_stages=stages))
@@ -201,7 +203,7 @@ def resources() -> None:
             info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.o"],
                                   capture_output=True, text=True).stderr
         lines = [ln.split(":", 1)[-1].strip() for ln in info.splitlines() if "registers" in ln or "spill" in ln]
-        print(f"BLOCK_M={bm} BLOCK_N={bn} warps={warps} stages={stages} partial={partial}: smem "
+        print(f"BLOCK_M={bm} BLOCK_N={bn} warps={warps} stages={stages} partial={partial} fused={fused}: smem "
               f"{kernel.metadata.shared} B, wgmma {kernel.asm['ptx'].count('wgmma.mma_async')}; {'; '.join(lines)}")
 
 

@@ -132,13 +132,67 @@ def test_matches_float64_reference(tail, heads, prefixes, page_size, kind):
     check_against_reference(inputs, scale=(C + R) ** -0.5)
 
 
-@pytest.mark.parametrize("config", [(16, 16, 4, 1, 1), (16, 16, 4, 1, 4), (32, 32, 4, 2, 8), (16, 16, 4, 1, 40)])
+@pytest.mark.parametrize("config", [(16, 16, 4, 1, 1), (16, 16, 4, 1, 4), (32, 32, 4, 2, 8), (16, 16, 4, 1, 40),
+                                    (16, 16, 4, 1, 12, "separate"), (16, 32, 4, 5, 4, "fused")])
 def test_split_counts_and_tiles_agree_with_reference(config):
     """Splits beyond the tiles a request has (empty splits) and tiles across page boundaries."""
     gen = torch.Generator().manual_seed(7)
     mask = tree_mask(2, 12, gen)
     inputs = make_inputs([40, 3], 13, 2, 16, mask, gen)
     check_against_reference(inputs, scale=0.3, config=config)
+
+
+@pytest.mark.parametrize("splits", [2, 12])
+def test_fused_merge_matches_separate_merge(splits):
+    """One launch (the last split program merges) against the two-launch path: many splits, most
+    of them empty at 12 (the requests have 1-4 tiles); same partials, same formula."""
+    gen = torch.Generator().manual_seed(17)
+    inputs = make_inputs([40, 3], 9, 2, 16, tree_mask(2, 8, gen), gen)
+    fused = mla_verify_attention_triton(*inputs, 0.3, config=(16, 16, 4, 1, splits, "fused"))
+    separate = mla_verify_attention_triton(*inputs, 0.3, config=(16, 16, 4, 1, splits, "separate"))
+    torch.testing.assert_close(fused[0], separate[0], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(fused[1], separate[1], rtol=1e-5, atol=1e-5)
+    check_against_reference(inputs, scale=0.3, config=(16, 16, 4, 1, splits, "fused"))
+
+
+def test_fused_merge_counters_reset_across_calls():
+    """The merger zeroes its counter: repeated calls (and row blocks > 1) stay correct and leave
+    the int32 workspace all zeros."""
+    from ddtree.kernels import mla_verify_triton as km
+    gen = torch.Generator().manual_seed(19)
+    inputs = make_inputs([50, 0], 5, 8, 16, tree_mask(2, 4, gen), gen)  # 40 rows: 3 row blocks of 16
+    config = (16, 16, 4, 1, 5, "fused")
+    first = mla_verify_attention_triton(*inputs, 0.2, config=config)
+    for _ in range(2):
+        poisoned = (torch.full_like(first[0], float("nan")), torch.full_like(first[1], float("nan")))
+        again = mla_verify_attention_triton(*inputs, 0.2, config=config, out=poisoned[0], lse=poisoned[1])
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    workspace = km._counter_workspace(torch.device(DEVICE), 1)
+    assert workspace.numel() >= 6 and not workspace.any()
+    check_against_reference(inputs, scale=0.2, config=config)
+
+
+def test_launch_config_one_wave_one_row_block(monkeypatch):
+    """rows <= 64: one row block per request (each KV byte read once per request); split programs
+    fit the resident slots in one wave; the merge kind is a known one; forced kinds are obeyed."""
+    from ddtree.kernels import launch_config, mla_verify_triton as km
+    monkeypatch.setattr(km, "_num_sms", lambda index: 132)
+    dev = torch.device("cuda", 0)  # a descriptor only: no GPU needed
+    for rows in (1, 8, 16, 64):
+        for batch in (1, 16, 64):
+            for kv in (1024, 8192, 32768):
+                bm, bn, warps, stages, splits, merge = launch_config(rows, batch, kv, dev)
+                assert bm >= rows and bm in (16, 32, 64)
+                slots = 132 * (2 if bm <= 32 else 1)
+                assert batch * splits <= max(slots, batch)
+                assert splits == 1 or -(-kv // bn) // splits >= km.MIN_SPLIT_TILES
+                assert (merge == "none") == (splits == 1) and merge in km.MERGES
+                for forced in ("fused", "separate"):
+                    cfg = launch_config(rows, batch, kv, dev, merge=forced)
+                    assert cfg[5] in (forced, "none")
+    assert launch_config(256 * 16, 64, 8192, dev)[4] == 1  # enough programs: no split
+    with pytest.raises(ValueError, match="merge must be"):
+        launch_config(16, 1, 1024, dev, merge="both")
 
 
 def test_row_that_sees_nothing_gives_zero_and_minus_inf():
@@ -150,6 +204,10 @@ def test_row_that_sees_nothing_gives_zero_and_minus_inf():
     out, lse = mla_verify_attention_triton(q_latent, q_rope, cache, table, prefix, mask, 0.2)
     assert torch.all(out[2] == 0) and torch.all(lse[2] == float("-inf"))
     check_against_reference(inputs, scale=0.2)
+    for merge in ("fused", "separate"):  # every split of row 2 empty-handed: merged to 0 and -inf
+        out, lse = mla_verify_attention_triton(*inputs, 0.2, config=(16, 16, 4, 1, 3, merge))
+        assert torch.all(out[2] == 0) and torch.all(lse[2] == float("-inf"))
+        check_against_reference(inputs, scale=0.2, config=(16, 16, 4, 1, 3, merge))
 
 
 def test_bad_inputs_are_value_errors_before_launch():

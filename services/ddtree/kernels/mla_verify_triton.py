@@ -8,8 +8,9 @@ and as values (the first C columns). Online softmax in base 2 with fp32 accumula
 
 Tiles that lie wholly inside the prefix take a loop with no mask at all; only the last tiles
 (those touching the tree tail) read the ancestor bitmask. Few rows (decode, small trees) cannot
-fill the chip, so the KV range is split across programs (flash-decoding) and a second kernel
-merges the partial results by their log-sum-exp.
+fill the chip, so the KV range is split across programs (flash-decoding); the partial results
+are merged by their log-sum-exp, either inside the same launch (the last program of a request
+to finish, found with an atomic counter, merges: FUSED_MERGE) or by a second kernel.
 
 CPU tensors run the same kernels when Triton's interpreter is on (TRITON_INTERPRET=1 set before
 triton is imported; slow, for tests).
@@ -29,13 +30,13 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _verify_fwd(
-    QLat, QRope, Cache, Table, Prefix, Mask, Out, Lse,
+    QLat, QRope, Cache, Table, Prefix, Mask, Out, Lse, OPart, LsePart, Counter,
     stride_qlr, stride_qlh, stride_qrr, stride_qrh,
     stride_cp, stride_cr, stride_tb,
     stride_or, stride_oh, stride_lr, stride_ls,
     T, H, W, page_size, max_pages, num_pages, scale_log2, num_splits,
     C: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PARTIAL: tl.constexpr, TAIL_MASK: tl.constexpr,
+    PARTIAL: tl.constexpr, FUSED_MERGE: tl.constexpr, TAIL_MASK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -120,12 +121,65 @@ def _verify_fwd(
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     if PARTIAL:  # fp32 partials [splits, B*T*H, C] and [splits, B*T*H]
         prow = split.to(tl.int64) * stride_ls + (b * T * H + m).to(tl.int64)
-        tl.store(Out + (prow * C)[:, None] + cc[None, :], out, mask=row_ok[:, None])
-        tl.store(Lse + prow, lse, mask=row_ok)
+        tl.store(OPart + (prow * C)[:, None] + cc[None, :], out, mask=row_ok[:, None])
+        tl.store(LsePart + prow, lse, mask=row_ok)
+        if FUSED_MERGE:
+            # The last program of this (request, row block) to finish merges all its splits: one
+            # launch instead of two. The barrier orders every thread's partial stores before the
+            # release of the (acq_rel, gpu-scope) counter increment; the merger's acquire orders
+            # its reads after every other program's release. The merger resets the counter, so
+            # the int32 workspace is all zeros between calls (graph replays included).
+            tl.debug_barrier()
+            counter = Counter + b * tl.num_programs(0) + pid_m
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                tl.store(counter, 0)
+                _merge_rows(OPart, LsePart, Out, Lse, b * T * H + m, row_ok, qrow, head, stride_ls,
+                            num_splits, stride_or, stride_oh, stride_lr, C, BLOCK_M)
     else:
         tl.store(Out + (qrow * stride_or + head * stride_oh)[:, None] + cc[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None])
         tl.store(Lse + qrow * stride_lr + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_rows(OPart, LsePart, Out, Lse, prow, row_ok, qrow, head, n_rows, num_splits,
+                stride_or, stride_oh, stride_lr, C: tl.constexpr, BLOCK_M: tl.constexpr):
+    """out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s for BLOCK_M rows (prow: their
+    partial rows), reading the partials through L2 (.cg: never a stale L1 line). Columns go
+    MERGE_C at a time (a [BLOCK_M, MERGE_C] fp32 tile is 16 KB) and two splits per step, so
+    about 32 KB of loads are in flight with no spills (ptxas, sm_90, BLOCK_M 16)."""
+    MERGE_C: tl.constexpr = C if C * BLOCK_M <= 4096 else 4096 // BLOCK_M
+    prow = prow.to(tl.int64)
+    top = tl.load(LsePart + prow, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+    for s in range(1, num_splits):
+        top = tl.maximum(top, tl.load(LsePart + s * n_rows + prow, mask=row_ok, other=float("-inf"),
+                                      cache_modifier=".cg"))
+    top_safe = tl.where(top == float("-inf"), 0.0, top)  # a row that sees nothing: every lse -inf
+    total = tl.zeros_like(top_safe)
+    for s in range(0, num_splits):
+        total += tl.exp(tl.load(LsePart + s * n_rows + prow, mask=row_ok, other=float("-inf"),
+                                cache_modifier=".cg") - top_safe)  # empty splits: weight 0
+    seen = total > 0.0
+    lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    tl.store(Lse + qrow * stride_lr + head, lse, mask=row_ok)
+    inv = 1.0 / tl.where(seen, total, 1.0)
+    out_row = Out + (qrow * stride_or + head * stride_oh)
+    for c0 in tl.static_range(0, C, MERGE_C):
+        cc = c0 + tl.arange(0, MERGE_C)
+        acc = tl.zeros([BLOCK_M, MERGE_C], tl.float32)
+        for s in range(0, num_splits, 2):
+            r0 = s * n_rows + prow
+            r1 = r0 + n_rows
+            ok1 = row_ok & (s + 1 < num_splits)
+            o0 = tl.load(OPart + (r0 * C)[:, None] + cc[None, :], mask=row_ok[:, None], other=0.0,
+                         cache_modifier=".cg")
+            o1 = tl.load(OPart + (r1 * C)[:, None] + cc[None, :], mask=ok1[:, None], other=0.0,
+                         cache_modifier=".cg")
+            w0 = tl.exp(tl.load(LsePart + r0, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - top_safe)
+            w1 = tl.exp(tl.load(LsePart + r1, mask=ok1, other=float("-inf"), cache_modifier=".cg") - top_safe)
+            acc += (w0 * inv)[:, None] * o0 + (w1 * inv)[:, None] * o1
+        tl.store(out_row[:, None] + cc[None, :], acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -170,24 +224,86 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-SPLIT_WAVES = 2  # split the KV range until about this many programs per SM
+MERGES = ("none", "fused", "separate")
+MIN_SPLIT_TILES = 4  # a split reads at least this many KV tiles
+SPLIT_STAGES = 5     # BLOCK_M 16: two KV tiles in flight per program (102 KB shared, 2 programs/SM)
+# Cost model for the split count and merge (seconds, bytes/s; H200 guesses, calibrated by the
+# device run's decode sweep, see docs/verify_attention.md):
+HBM_BW = 4.0e12       # the KV stream of all programs together (measured device copy >= 100 MB)
+PROGRAM_BW = 40e9     # one program's KV stream (bytes in flight / latency)
+MERGER_BW = 80e9      # one program reading fp32 partials from L2 (fused merge: ~32 KB in flight / ~0.3 us)
+L2_BW = 8e12          # all programs writing + reading partials in L2
+LAUNCH_GAP = 4e-6     # a second, dependent launch (graph replay ~1-2 us; eager Triton launches more)
+FUSED_BIAS = 0.95     # near-ties go to the single launch
 
 
-def launch_config(rows_per_request: int, batch: int, max_kv_len: int,
-                  device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, splits) for one call.
+def _estimate(splits: int, merge: str, programs: int, slots: int, tiles: int, block_m: int, block_n: int,
+              c: int, r: int, elem: int) -> float:
+    """Modelled seconds for one call: waves of programs streaming their share of the KV range,
+    partials written and read in L2, and the merge (the last program's, or a second launch)."""
+    launched = programs * splits
+    waves = -(-launched // slots)
+    per_program = min(PROGRAM_BW, HBM_BW / min(launched, slots))
+    t = waves * (-(-tiles // splits)) * block_n * (c + r) * elem / per_program
+    if splits > 1:
+        t += 2 * launched * block_m * c * 4 / L2_BW
+        t += splits * block_m * c * 4 / MERGER_BW if merge == "fused" else LAUNCH_GAP
+    return t
 
-    BLOCK_M 64 keeps the [64, C] fp32 accumulator in registers. When few rows make few programs,
-    the KV range is split until ~SPLIT_WAVES programs per SM, keeping >= 4 tiles per split.
-    max_kv_len is a host-side bound (block-table width x page size): no device sync.
+
+def launch_config(rows_per_request: int, batch: int, max_kv_len: int, device: torch.device, *,
+                  c: int = 512, r: int = 64, elem: int = 2, merge: str = "auto",
+                  ) -> tuple[int, int, int, int, int, str]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, splits, merge) for one call.
+
+    BLOCK_M = pow2(rows per request) up to 64: for rows <= 64 one program row block holds all of
+    a request's rows, so each KV byte is read once per request. When few programs cannot fill
+    the chip, the KV range is split (flash-decoding): candidate split counts are the largest that
+    fits the resident program slots in ONE wave (never a nearly empty second wave) and its
+    halvings, each with >= MIN_SPLIT_TILES tiles; the merge is fused into the kernel (the last
+    program of a request merges) or a second launch; `_estimate` picks the pair. merge="fused"
+    or "separate" forces the merge kind (when splits > 1). max_kv_len is a host-side bound
+    (block-table width x page size): no device sync.
     """
+    if merge not in ("auto", "fused", "separate"):
+        raise ValueError(f"merge must be auto, fused or separate, got {merge!r}")
     block_m = min(64, max(16, _pow2(rows_per_request)))
     block_n = 32
+    warps = 4 if block_m <= 32 else 8
     programs = batch * triton.cdiv(rows_per_request, block_m)
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
-    max_splits = max(1, triton.cdiv(max_kv_len, block_n) // 4)
-    splits = max(1, min(max_splits, triton.cdiv(SPLIT_WAVES * sms, programs)))
-    return block_m, block_n, 4 if block_m <= 32 else 8, 3, splits
+    slots = sms * (2 if block_m <= 32 else 1)  # registers: 4 warps x 255 (2/SM); 8 warps x 255 (1/SM)
+    tiles = triton.cdiv(max(max_kv_len, 1), block_n)
+    max_splits = min(tiles // MIN_SPLIT_TILES, slots // programs) if programs < slots else 1
+    if max_splits <= 1:
+        return block_m, block_n, warps, 3, 1, "none"
+    candidates, s = [], max_splits
+    while s >= 2:
+        candidates.append(s)
+        s //= 2
+    modes = ("fused", "separate") if merge == "auto" else (merge,)
+    best = min(((_estimate(s, m, programs, slots, tiles, block_m, block_n, c, r, elem)
+                 * (FUSED_BIAS if m == "fused" else 1.0), s, m) for s in candidates for m in modes))
+    single = _estimate(1, "none", programs, slots, tiles, block_m, block_n, c, r, elem)
+    if merge == "auto" and single <= best[0]:
+        return block_m, block_n, warps, 3, 1, "none"
+    stages = SPLIT_STAGES if block_m == 16 else 3
+    return block_m, block_n, warps, stages, best[1], best[2]
+
+
+_COUNTERS: dict[tuple, list[torch.Tensor]] = {}
+
+
+def _counter_workspace(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros, one per (request, row block), per device and stream (calls on one stream run
+    in order; the fused merge leaves them zero). Outgrown workspaces are kept alive: a captured
+    CUDA graph may still point at them."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    held = _COUNTERS.setdefault((str(device), stream), [])
+    if not held or held[-1].numel() < n:
+        held.append(torch.zeros(max(n, 1024, 2 * held[-1].numel() if held else 0), dtype=torch.int32,
+                                device=device))
+    return held[-1]
 
 
 def mla_verify_attention_triton(
@@ -199,7 +315,7 @@ def mla_verify_attention_triton(
     mask: torch.Tensor,
     softmax_scale: float,
     *,
-    config: tuple[int, int, int, int, int] | None = None,
+    config: tuple | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     check_values: bool = False,
@@ -207,7 +323,9 @@ def mla_verify_attention_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as models.mla_attention.mla_verify_attention (see there); validated here.
 
-    config: (BLOCK_M, BLOCK_N, num_warps, num_stages, splits), default launch_config(...).
+    config: (BLOCK_M, BLOCK_N, num_warps, num_stages, splits[, merge]), default launch_config(...);
+    merge "fused" (default for a 5-tuple with splits > 1: one launch, the last program of each
+    request merges) or "separate" (a second merge kernel, the two-launch path).
     out/lse: optional preallocated outputs ([rows, h, C] q's dtype, [rows, h] float32).
     check_values: also check prefix_lens and block_table contents (a host sync on GPU). Without
     it, bad table entries are clamped in the kernel: wrong results, never a fault.
@@ -225,8 +343,13 @@ def mla_verify_attention_triton(
         lse = torch.empty(rows, heads, dtype=torch.float32, device=device)
     if rows == 0:
         return out, lse
-    block_m, block_n, warps, stages, splits = config or launch_config(
-        t * heads, b, block_table.shape[1] * cache.shape[1], device)
+    if config is None:
+        config = launch_config(t * heads, b, block_table.shape[1] * cache.shape[1], device, c=c, r=r,
+                               elem=q_latent.element_size())
+    block_m, block_n, warps, stages, splits = config[:5]
+    merge = config[5] if len(config) > 5 else "fused"
+    if merge not in MERGES:
+        raise ValueError(f"config merge must be one of {MERGES}, got {merge!r}")
     mask64 = mask.view(torch.int64) if mask.dtype == torch.uint64 else mask
     mask64 = mask64.contiguous()
     table = block_table.contiguous()
@@ -236,17 +359,22 @@ def mla_verify_attention_triton(
     common = dict(C=c, R=r, BLOCK_M=block_m, BLOCK_N=block_n, TAIL_MASK=tail_mask)
     launch = dict(num_warps=warps, num_stages=stages) if device.type == "cuda" else {}
     scalars = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-               cache.stride(0), cache.stride(1), table.stride(0))
+               cache.stride(0), cache.stride(1), table.stride(0),
+               out.stride(0), out.stride(1), lse.stride(0), rows * heads)
     tail = (t, heads, mask64.shape[-1], cache.shape[1], table.shape[1], cache.shape[0], softmax_scale * _LOG2E,
             splits)
     if splits == 1:
-        _verify_fwd[grid](q_latent, q_rope, cache, table, prefix_lens, mask64, out, lse, *scalars,
-                  out.stride(0), out.stride(1), lse.stride(0), 0, *tail, PARTIAL=False, **common, **launch)
+        _verify_fwd[grid](q_latent, q_rope, cache, table, prefix_lens, mask64, out, lse, out, lse, lse,
+                          *scalars, *tail, PARTIAL=False, FUSED_MERGE=False, **common, **launch)
         return out, lse
     o_part = torch.empty(splits, rows * heads, c, dtype=torch.float32, device=device)
     lse_part = torch.empty(splits, rows * heads, dtype=torch.float32, device=device)
-    _verify_fwd[grid](q_latent, q_rope, cache, table, prefix_lens, mask64, o_part, lse_part, *scalars,
-              0, 0, 0, rows * heads, *tail, PARTIAL=True, **common, **launch)
+    fused = merge != "separate"
+    counters = _counter_workspace(device, grid[0] * b) if fused else lse_part
+    _verify_fwd[grid](q_latent, q_rope, cache, table, prefix_lens, mask64, out, lse, o_part, lse_part, counters,
+                      *scalars, *tail, PARTIAL=True, FUSED_MERGE=fused, **common, **launch)
+    if fused:
+        return out, lse
     block_c = min(c, 128)
     _merge_splits[(rows * heads, c // block_c)](
         o_part, lse_part, out, lse, rows * heads, heads, splits, out.stride(0), out.stride(1), lse.stride(0),
