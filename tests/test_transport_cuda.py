@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ddtree.grpc_options import channel_options
-from ddtree.transport import CUDA_IPC, PeerLink, Transport, TransportConfig, checksum
+from ddtree.transport import CUDA_IPC, DEFERRED_READ, PeerLink, Transport, TransportConfig, checksum
 from ddtree.v1 import transport_pb2
 
 pytestmark = pytest.mark.cuda
@@ -71,6 +71,38 @@ def test_thousand_steps_on_side_streams_ordered_by_slot_events(link):
         assert reply.checksum == want, f"step {step}: server read before the write landed"
         with torch.cuda.stream(producer):
             probe.view(slot, torch.uint8, (probe.slot_bytes,)).fill_(0xA5)   # poison the reused slot
+
+
+def test_deferred_reads_are_ordered_by_slot_events_and_all_checked(link):
+    """read=deferred (the benchmark's step): the server only enqueues each read on its stream
+    (after the slot event) and replies at once; the sums come back after each round of 4 slots.
+    A slot is poisoned only after its round's sums are back (no consumer -> producer event)."""
+    device = torch.device("cuda:0")
+    producer = torch.cuda.Stream(device)
+    probe = link.transport.probe
+    gen = torch.Generator(device).manual_seed(11)
+    md = link.metadata + DEFERRED_READ
+    for round_ in range(50):
+        expected = []
+        for slot in range(probe.slot_count):
+            with torch.cuda.stream(producer):
+                torch.cuda._sleep(SLEEP_CYCLES if slot == 0 else SLEEP_CYCLES // 20)
+                data = torch.randint(-(1 << 31), 1 << 31, (1 + (round_ * 97 + slot) % 4096,), dtype=torch.int32,
+                                     device=device, generator=gen)
+                ref = probe.put(slot, data)
+                probe.record(slot)
+                expected.append(data.clone())
+            reply = link.stub.Probe(transport_pb2.ProbeRequest(step_id=slot, input=ref), metadata=md, timeout=30)
+            assert reply.checksum == 0               # replied before the read ran (nothing synced)
+        reply = link.stub.Probe(transport_pb2.ProbeRequest(echo=True), metadata=md, timeout=30)
+        sums = [int(v) % (1 << 64) for v in link.resolve(reply.output).cpu().tolist()]
+        torch.cuda.current_stream(device).wait_stream(producer)
+        want = [checksum(e) for e in expected]
+        assert sums[:len(want)] == want, f"round {round_}: a deferred read saw stale data"
+        assert not any(sums[len(want):])
+        with torch.cuda.stream(producer):
+            for slot in range(probe.slot_count):
+                probe.view(slot, torch.uint8, (probe.slot_bytes,)).fill_(0xA5)   # poison for the next round
 
 
 def test_refs_are_tiny_and_status_counts_references(link):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ddtree.grpc_options import channel_options
-from ddtree.transport import SHM, PeerLink, Transport, TransportConfig, checksum
+from ddtree.transport import DEFERRED_READ, SHM, PeerLink, Transport, TransportConfig, checksum
 from ddtree.v1 import tensor_pb2, transport_pb2
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8, torch.bool,
@@ -148,6 +148,49 @@ def _expect(code, match, fn, *args, **kw):
         fn(*args, **kw)
     assert err.value.code() == code, err.value.details()
     assert match in err.value.details()
+
+
+def _deferred_sums(link: PeerLink) -> list[int]:
+    reply = link.stub.Probe(transport_pb2.ProbeRequest(echo=True), metadata=link.metadata + DEFERRED_READ, timeout=30)
+    return [int(v) % (1 << 64) for v in link.resolve(reply.output).cpu().tolist()]
+
+
+def test_deferred_reads_are_all_checked_after_the_run(link):
+    """read=deferred (the benchmark's step): the server enqueues each input's byte sum into its
+    ring and replies without a checksum; the ring comes back through its probe region."""
+    gen = torch.Generator().manual_seed(7)
+    probe = link.transport.probe
+    for style in ("unary", "stream"):
+        requests: list = []
+        replies = None
+        if style == "stream":
+            import queue
+            q: queue.Queue = queue.Queue()
+            replies = link.stub.ProbeStream(iter(q.get, None), metadata=link.metadata + DEFERRED_READ)
+        want = []
+        for step in range(40):
+            slot = step % probe.slot_count
+            data = _random_tensor(gen, probe.slot_bytes)
+            request = transport_pb2.ProbeRequest(step_id=step, input=probe.put(slot, data))
+            if style == "stream":
+                q.put(request)
+                reply = next(replies)
+            else:
+                reply = link.stub.Probe(request, metadata=link.metadata + DEFERRED_READ, timeout=30)
+            assert reply.step_id == step and reply.checksum == 0     # nothing read back in the step
+            want.append(checksum(data))
+            _bytes(probe.view(slot, torch.uint8, (probe.slot_bytes,))).fill_(0xA5)  # CPU: the reply is the fence
+            requests.append(request)
+        if style == "stream":
+            q.put(None)
+        sums = _deferred_sums(link)
+        assert sums[:40] == want and not any(sums[40:]), style
+        assert not any(_deferred_sums(link)), "the ring is zeroed after it is returned"
+    bad = tensor_pb2.TensorRef()
+    bad.CopyFrom(requests[0].input)
+    bad.slot = 9
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "slot 9 out of range", link.stub.Probe,
+            transport_pb2.ProbeRequest(input=bad), metadata=link.metadata + DEFERRED_READ, timeout=10)
 
 
 BAD = [

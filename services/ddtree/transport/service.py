@@ -13,9 +13,16 @@ import torch
 
 from ddtree.transport.endpoint import PeerScope, Transport
 from ddtree.transport.errors import TransportError, UnknownPeer
-from ddtree.v1 import transport_pb2, transport_pb2_grpc
+from ddtree.v1 import tensor_pb2, transport_pb2, transport_pb2_grpc
 
 PEER_METADATA_KEY = "ddtree-peer-id"
+# Probe read mode, call metadata (a stream's: once, at open). "deferred": the server only enqueues
+# each input's byte sum into a per-peer ring (no host sync; ProbeReply.checksum stays 0); a later
+# request with echo=True and no input returns the ring (int64 [n], entry step_id % n) in its probe
+# region and zeroes it. Absent (or "sync"): checksum read back per request.
+PROBE_READ_METADATA_KEY = "ddtree-probe-read"
+DEFERRED_READ = ((PROBE_READ_METADATA_KEY, "deferred"),)
+SUM_RING_MAX = 1 << 14
 
 
 def peer_id_of(context: grpc.ServicerContext) -> str:
@@ -70,9 +77,46 @@ def attach(transport: Transport, request: transport_pb2.AttachRequest,
         return transport.attach(request)
 
 
-def _byte_sum(tensor: torch.Tensor) -> torch.Tensor:
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     t = tensor if tensor.is_contiguous() else tensor.contiguous()
-    return (t.reshape(1) if t.dim() == 0 else t).view(torch.uint8).sum(dtype=torch.int64)
+    return (t.reshape(1) if t.dim() == 0 else t).view(torch.uint8)
+
+
+def _byte_sum(tensor: torch.Tensor) -> torch.Tensor:
+    return _bytes(tensor).sum(dtype=torch.int64)
+
+
+def _read_mode(context: grpc.ServicerContext) -> bool:
+    """True when the call asked for deferred reads (PROBE_READ_METADATA_KEY)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == PROBE_READ_METADATA_KEY:
+            return value == "deferred"
+    return False
+
+
+class _SumRing:
+    """Per-peer int64 ring of deferred byte sums on one device; `cells` are its 0-d views
+    (made once: no indexing op per step). `bytes_of` caches the uint8 view of each input tensor
+    (resolve returns one cached tensor per descriptor), keyed by id with the tensor held, until
+    the ring is collected."""
+
+    __slots__ = ("bytes_of", "cells", "device", "values")
+
+    def __init__(self, size: int, device: torch.device):
+        self.device = device
+        self.values = torch.zeros(size, dtype=torch.int64, device=device)
+        self.cells = self.values.unbind(0)
+        self.bytes_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def byte_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        hit = self.bytes_of.get(id(tensor))
+        if hit is not None and hit[0] is tensor:
+            return hit[1]
+        if len(self.bytes_of) >= 256:
+            self.bytes_of.clear()
+        u8 = _bytes(tensor)
+        self.bytes_of[id(tensor)] = (tensor, u8)
+        return u8
 
 
 def checksum(tensor: torch.Tensor) -> int:
@@ -86,6 +130,8 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
     def __init__(self, transport: Transport):
         self.transport = transport
         self._echo_slots = itertools.count()  # thread-safe ring position for concurrent echoes
+        self._sums: dict[str, _SumRing] = {}  # peer id -> deferred-read ring
+        self._ring_size = max(1, min(SUM_RING_MAX, transport.probe.slot_bytes // 8))
 
     def Attach(self, request, context):
         return attach(self.transport, request, context)
@@ -98,20 +144,43 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
             self.transport.detach(request.peer_id, token=request.token)
         return transport_pb2.DetachReply()
 
-    def _probe(self, request: transport_pb2.ProbeRequest, scope) -> transport_pb2.ProbeReply:
+    def _probe(self, request: transport_pb2.ProbeRequest, scope, deferred: bool = False) -> transport_pb2.ProbeReply:
         start = time.perf_counter()
         reply = transport_pb2.ProbeReply(step_id=request.step_id)
         if request.HasField("input"):
             tensor = scope.resolve(request.input)
-            reply.checksum = self._read(tensor, reply.timing)
-            if request.echo:
-                probe = self.transport.probe
-                slot = next(self._echo_slots) % probe.slot_count
-                ref = probe.put(slot, tensor.to(probe.device))
-                probe.record(slot)
-                reply.output.CopyFrom(scope.for_peer(ref))
+            if deferred and not request.echo:
+                self._enqueue_sum(scope.peer_id, request.step_id, tensor)
+            else:
+                reply.checksum = self._read(tensor, reply.timing)
+                if request.echo:
+                    reply.output.CopyFrom(scope.for_peer(self._echo(tensor)))
+        elif deferred and request.echo:
+            ring = self._sums.get(scope.peer_id)
+            if ring is not None:
+                reply.output.CopyFrom(scope.for_peer(self._echo(ring.values)))
+                ring.values.zero_()   # same stream, after the copy: the next run starts from zeros
+                ring.bytes_of.clear()
         reply.timing.server_ms = (time.perf_counter() - start) * 1e3
         return reply
+
+    def _echo(self, tensor: torch.Tensor) -> tensor_pb2.TensorRef:
+        """Copies `tensor` into the next slot of our probe region (recorded) and returns its ref."""
+        probe = self.transport.probe
+        slot = next(self._echo_slots) % probe.slot_count
+        ref = probe.put(slot, tensor.to(probe.device))
+        probe.record(slot)
+        return ref
+
+    def _enqueue_sum(self, peer_id: str, step_id: int, tensor: torch.Tensor) -> None:
+        """Deferred read: the byte sum of every input byte goes to ring[step_id % n] on the
+        current stream (ordered after resolve's event wait); nothing waits for it here."""
+        ring = self._sums.get(peer_id)
+        if ring is None or ring.device != tensor.device:
+            if len(self._sums) >= 64:   # peers come and go; rings are only for measurement runs
+                self._sums.clear()
+            ring = self._sums[peer_id] = _SumRing(self._ring_size, tensor.device)
+        torch.sum(ring.byte_view(tensor), None, dtype=torch.int64, out=ring.cells[step_id % self._ring_size])
 
     _events = threading.local()   # per handler thread and device: two reusable timing events
 
@@ -133,13 +202,14 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
 
     def Probe(self, request, context):
         with serve_peer(self.transport, context) as scope:
-            return self._probe(request, scope)
+            return self._probe(request, scope, _read_mode(context))
 
     def ProbeStream(self, request_iterator, context):
         with serve_peer(self.transport, context) as scope:
+            deferred = _read_mode(context)
             for request in request_iterator:
                 try:
-                    yield self._probe(request, scope)
+                    yield self._probe(request, scope, deferred)
                 except TransportError as exc:
                     context.abort(exc.grpc_code, str(exc))
 
