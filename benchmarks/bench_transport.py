@@ -2,10 +2,23 @@
 bidirectional-streaming gRPC.
 
 One probe server process (`python -m ddtree.transport.probe_server`); this process is the
-producer. A hand-off step = record the slot's event (cuda_ipc) or attach the bytes (inline) +
-one Probe RPC carrying the TensorRef + the server resolving it (validation, event wait or
-decode + host-to-device copy) and reading every byte once (checksum, verified here) + reply.
-Writing the data into the slot is not counted: a producer computes into its slot directly.
+producer. Writing the data into the slot is not counted: a producer computes into its slot
+directly. A hand-off step (the timed part, client wall clock) is:
+  1. producer: record the slot's event (cuda_ipc) / attach the bytes (inline) + build the request;
+  2. one Probe RPC carrying the TensorRef (unary, or one message on a long-lived bidi stream);
+  3. consumer (server handler): resolve the ref (validation, or the cached view of an already
+     validated descriptor; cuda_ipc: its stream waits on the slot's event; inline: decode + copy
+     to the device) and READ every byte once on its device (byte sum), then reply.
+Two read modes, both reported:
+  read=deferred  the byte sum is enqueued on the consumer's stream into a per-step cell of a
+                 preallocated ring (no host sync in the step), like a real step handler that
+                 queues work and replies; after the timed loop the ring comes back through the
+                 server's probe region and every step's sum is checked (all must equal the data's).
+                 The "gpu" column is then not measured (see the read=sync row).
+  read=sync      the sum is read back to the host inside the step (checksum in the reply, checked
+                 per step) and timed with CUDA events (column "gpu"): hand-off + one host sync.
+Each step alternates with an empty Probe of the same style (column "empty"; unary empties carry
+the plain metadata); ratio = p50 / empty p50. The cuda_ipc goal is judged on read=deferred.
 
 Payloads: (a) draft top-k [B, 16, 64] fp32 log-probs + int32 ids, packed in one slot and sent
 as one [B, 16, 128] 4-byte ref (the wire size of the real two-ref DraftReply is reported too);
@@ -29,7 +42,7 @@ import numpy as np
 import torch
 
 from ddtree.grpc_options import channel_options
-from ddtree.transport import INLINE, PeerLink, Transport, TransportConfig, checksum
+from ddtree.transport import DEFERRED_READ, INLINE, PeerLink, Transport, TransportConfig, checksum
 from ddtree.v1 import drafter_pb2, tensor_pb2, transport_pb2
 
 DRAFT_LEN, TOPK, FEATURE_DIM = 16, 64, 6 * 7168
@@ -49,9 +62,9 @@ def percentiles(samples_s):
 class Stream:
     """One long-lived ProbeStream; `call` sends a request and waits for its reply (ping-pong)."""
 
-    def __init__(self, link: PeerLink):
+    def __init__(self, link: PeerLink, metadata=()):
         self._requests: queue.Queue = queue.Queue()
-        self._replies = link.stub.ProbeStream(iter(self._requests.get, None), metadata=link.metadata)
+        self._replies = link.stub.ProbeStream(iter(self._requests.get, None), metadata=link.metadata + tuple(metadata))
 
     def call(self, request):
         self._requests.put(request)
@@ -61,14 +74,17 @@ class Stream:
         self._requests.put(None)
 
 
-def measure(call, make_request, iters, warmup, expect=None) -> dict:
+def measure(call, make_request, iters, warmup, expect=None, verify=None, call_empty=None) -> dict:
     """Alternates the payload RPC with an empty RPC of the same style (same conditions for both):
     p50/p99 of the client round trip, p50 of the paired empty RPC, p50 of request preparation
-    (record + send) and of the server's handler and GPU time (ProbeReply.timing)."""
+    (record + send) and of the server's handler and GPU time (ProbeReply.timing). `expect`:
+    checksum each reply must carry (read=sync); `verify(iters)`: called after the timed loop
+    (read=deferred: checks every step's sum)."""
     empty = transport_pb2.ProbeRequest()
+    call_empty = call_empty or call
     for i in range(warmup):
         call(make_request(i))
-        call(empty)
+        call_empty(empty)
     total, prep, server, gpu, bare = [], [], [], [], []
     for i in range(iters):
         t0 = time.perf_counter()
@@ -76,7 +92,7 @@ def measure(call, make_request, iters, warmup, expect=None) -> dict:
         t1 = time.perf_counter()
         reply = call(request)
         t2 = time.perf_counter()
-        call(empty)
+        call_empty(empty)
         bare.append(time.perf_counter() - t2)
         total.append(t2 - t0)
         prep.append(t1 - t0)
@@ -84,17 +100,44 @@ def measure(call, make_request, iters, warmup, expect=None) -> dict:
         gpu.append(reply.timing.gpu_ms / 1e3)
         if expect is not None and reply.checksum != expect:
             raise RuntimeError(f"checksum mismatch at step {i}: the server read wrong bytes")
+    if verify is not None:
+        verify(iters)
     p50, p99 = percentiles(total)
     return dict(p50_ms=p50, p99_ms=p99, empty_p50_ms=percentiles(bare)[0], prep_ms=percentiles(prep)[0],
                 server_ms=percentiles(server)[0], gpu_ms=percentiles(gpu)[0])
 
 
+def deferred_sums(link: PeerLink) -> list[int]:
+    """The server's ring of deferred byte sums for us (entry step_id % n), through its probe
+    region (stream-ordered on cuda_ipc); the server zeroes it after the copy."""
+    reply = link.stub.Probe(transport_pb2.ProbeRequest(echo=True), metadata=link.metadata + DEFERRED_READ, timeout=30)
+    if not reply.HasField("output"):
+        raise RuntimeError("deferred read: the server returned no sums (no deferred step reached it)")
+    return [int(v) % (1 << 64) for v in link.resolve(reply.output).cpu().tolist()]
+
+
+def verify_deferred(link: PeerLink, expect: int, what: str):
+    def verify(iters: int) -> None:
+        sums = deferred_sums(link)
+        n = min(iters, len(sums))
+        bad = [i for i in range(n) if sums[i] != expect]
+        if bad or any(sums[n:]):
+            raise RuntimeError(f"{what}: deferred read wrong at steps {bad[:5]} ({len(bad)} of {n}): "
+                               f"got {sums[bad[0]] if bad else '-'}, want {expect}")
+    return verify
+
+
 def consumer_costs(link: PeerLink, say) -> None:
     """Hot-loop cost, in this process, of consuming one ref of the server's probe region:
-    resolve (validation + stream wait on the slot's event + view) and a full read + sync."""
+    resolve of a known descriptor (cached view + stream wait) vs first sight (full validation +
+    view), and the read: byte sum + host sync vs byte sum enqueued into a ring cell."""
     probe_ref = tensor_pb2.TensorRef(region="transport/probe", slot=1, dtype=tensor_pb2.DTYPE_FLOAT32,
                                      shape=[16, TOPK])
     tensor = link.resolve(probe_ref)
+    region = link.transport._peer(link.server_id).regions["transport/probe"]
+    key = probe_ref.SerializePartialToString()
+    cell = torch.zeros((), dtype=torch.int64, device=tensor.device)
+    u8 = tensor.view(torch.uint8)
 
     def per_call_us(fn, n=2000):
         for _ in range(50):
@@ -102,12 +145,17 @@ def consumer_costs(link: PeerLink, say) -> None:
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
+        if tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
         return (time.perf_counter() - t0) / n * 1e6
 
     resolve_us = per_call_us(lambda: link.resolve(probe_ref))
+    first_us = per_call_us(lambda: region._resolve_new(probe_ref, key))
     read_us = per_call_us(lambda: checksum(tensor))
-    say(f"   consumer side, hot loop ({link.transport.config.kind}, [16, {TOPK}] fp32 ref): resolve {resolve_us:.1f} us, "
-        f"read + sync (checksum) {read_us:.1f} us")
+    enqueue_us = per_call_us(lambda: torch.sum(u8, None, dtype=torch.int64, out=cell))
+    say(f"   consumer side, hot loop ({link.transport.config.kind}, [16, {TOPK}] fp32 ref): resolve {resolve_us:.1f} us "
+        f"(first sight of a descriptor: validation + view {first_us:.1f} us); read + host sync (checksum) "
+        f"{read_us:.1f} us, read enqueued (sum into a ring cell) {enqueue_us:.1f} us")
 
 
 def start_server(device: str, kind: str):
@@ -128,7 +176,8 @@ def main() -> int:
     p.add_argument("--kinds", default=None, help="comma list (default: cuda_ipc,shm,inline on a GPU, else shm,inline)")
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--iters", type=int, default=300, help="steps per small case (large cases: --big-iters)")
-    p.add_argument("--big-iters", type=int, default=30)
+    p.add_argument("--big-iters", type=int, default=30, help="steps per case over 4 MiB")
+    p.add_argument("--huge-iters", type=int, default=10, help="steps per inline case over 32 MiB (~1 s each)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--out", default=None, help="write the report here too")
     args = p.parse_args()
@@ -169,10 +218,11 @@ def main() -> int:
         max_bytes = max(torch.Size(shape).numel() * dt.itemsize for _, _, dt, shape in payloads(batches))
         say()
         say("## Hand-off per step (ms); each step alternates with an empty RPC of the same style (column 'empty');")
-        say("## ratio = p50 / empty p50; bytes = request on the wire;")
-        say("## prep = client record+send (inline: serialization); server = handler (resolve + read); gpu = read kernel")
-        say(f"{'payload':9s} {'B':>3s} {'kind':9s} {'style':7s} {'MiB':>8s} {'p50':>9s} {'p99':>9s} {'ratio':>7s} "
-            f"{'empty':>7s} {'req bytes':>10s} {'prep':>8s} {'server':>8s} {'gpu':>7s}")
+        say("## ratio = p50 / empty p50; bytes = request on the wire; read = deferred (sum enqueued, all checked after")
+        say("## the loop) | sync (sum read back per step); prep = client record+send (inline: serialization);")
+        say("## server = handler (resolve + read); gpu = read kernel (read=sync only)")
+        say(f"{'payload':9s} {'B':>3s} {'kind':9s} {'style':7s} {'read':9s} {'MiB':>8s} {'p50':>9s} {'p99':>9s} "
+            f"{'ratio':>7s} {'empty':>7s} {'req bytes':>10s} {'prep':>8s} {'server':>8s} {'gpu':>7s}")
         for kind in kinds:
             dev = "cpu" if kind == "shm" else args.device
             if kind == "shm":
@@ -184,9 +234,12 @@ def main() -> int:
             region = t.create_region("bench", slot_count=2, slot_bytes=max_bytes)
             lk = PeerLink(t, channel)
             lk.attach(inline=kind == "inline")
-            styles = [("unary", lambda r, lk=lk: lk.stub.Probe(r, metadata=lk.metadata))]
-            stream = Stream(lk)
-            styles.append(("stream", stream.call))
+            plain = lambda r, lk=lk: lk.stub.Probe(r, metadata=lk.metadata)  # noqa: E731
+            deferred_md = lk.metadata + DEFERRED_READ
+            streams = {"sync": Stream(lk), "deferred": Stream(lk, DEFERRED_READ)}
+            calls = {("unary", "sync"): plain,
+                     ("unary", "deferred"): lambda r, md=deferred_md, lk=lk: lk.stub.Probe(r, metadata=md),
+                     ("stream", "sync"): streams["sync"].call, ("stream", "deferred"): streams["deferred"].call}
             for name, b, dtype, shape in payloads(batches):
                 numel = torch.Size(shape).numel()
                 raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8)
@@ -197,25 +250,40 @@ def main() -> int:
                 if region.device.type == "cuda":
                     torch.cuda.synchronize(region.device)
                 expect = checksum(data)
-                big = numel * dtype.itemsize > (4 << 20)
-                iters = args.big_iters if big else args.iters
+                nbytes = numel * dtype.itemsize
+                iters = args.big_iters if nbytes > (4 << 20) else args.iters
+                if kind == "inline" and nbytes > (32 << 20):
+                    iters = args.huge_iters
+                warmup = min(args.warmup, max(3, iters // 3))
 
                 def make(i, refs=refs, region=region, lk=lk):
                     slot = i % 2
                     region.record(slot)
                     return transport_pb2.ProbeRequest(step_id=i, input=lk.send(refs[slot]))
 
-                for style, call in styles:
+                for style in ("unary", "stream"):
                     if style == "stream" and (kind != "cuda_ipc" and not (kind == kinds[0] and name == "topk")):
                         continue  # stream vs unary per payload: on the zero-copy kind only
-                    r = measure(call, make, iters, min(args.warmup, iters), expect)
-                    r["request_bytes"] = size = make(0).ByteSize()
-                    r["ratio"] = ratio = r["p50_ms"] / r["empty_p50_ms"]
-                    results[name, b, kind, style] = r
-                    say(f"{name:9s} {b:3d} {kind:9s} {style:7s} {numel * dtype.itemsize / 2**20:8.3f} {r['p50_ms']:9.3f} "
-                        f"{r['p99_ms']:9.3f} {ratio:7.2f} {r['empty_p50_ms']:7.3f} {size:10d} {r['prep_ms']:8.3f} {r['server_ms']:8.3f} "
-                        f"{r['gpu_ms']:7.3f}")
-            stream.close()
+                    for read in ("deferred", "sync"):
+                        if read == "deferred" and kind == "inline":
+                            continue  # inline: the decode dominates; shown for contrast only
+                        if read == "deferred":
+                            what = f"{name} B={b} {kind} {style}"
+                            r = measure(calls[style, read], make, iters, warmup,
+                                        verify=verify_deferred(lk, expect, what),
+                                        call_empty=plain if style == "unary" else None)
+                        else:
+                            r = measure(calls[style, read], make, iters, warmup, expect)
+                        r["request_bytes"] = size = make(0).ByteSize()
+                        r["ratio"] = ratio = r["p50_ms"] / r["empty_p50_ms"]
+                        r["iters"] = iters
+                        results[name, b, kind, style, read] = r
+                        gpu_col = f"{r['gpu_ms']:7.3f}" if read == "sync" else f"{'-':>7s}"
+                        say(f"{name:9s} {b:3d} {kind:9s} {style:7s} {read:9s} {nbytes / 2**20:8.3f} {r['p50_ms']:9.3f} "
+                            f"{r['p99_ms']:9.3f} {ratio:7.2f} {r['empty_p50_ms']:7.3f} {size:10d} {r['prep_ms']:8.3f} "
+                            f"{r['server_ms']:8.3f} {gpu_col}")
+            for st in streams.values():
+                st.close()
             if kind in ("cuda_ipc", "shm") and lk.kind != INLINE:
                 consumer_costs(lk, say)
             lk.detach()
@@ -234,7 +302,7 @@ def main() -> int:
         sizes = {"DraftReply (2 refs)": draft_reply.ByteSize(), "features TensorRef": feats.ByteSize()}
         for key, value in sizes.items():
             say(f"{key:22s} {value:5d}")
-        zero_copy = [v["request_bytes"] for k, v in results.items() if len(k) == 4 and k[2] != "inline"]
+        zero_copy = [v["request_bytes"] for k, v in results.items() if len(k) == 5 and k[2] != "inline"]
         max_desc = max(zero_copy + list(sizes.values()))
 
         # --- verdicts ---------------------------------------------------------------------
@@ -243,10 +311,13 @@ def main() -> int:
         say(f"descriptor messages < 512 bytes whatever the size: {'PASS' if max_desc < 512 else 'FAIL'} "
             f"(largest {max_desc} bytes)")
         if "cuda_ipc" in kinds:
-            ratios = {k: v["ratio"] for k, v in results.items() if len(k) == 4 and k[2] == "cuda_ipc"}
-            worst = max(ratios.items(), key=lambda kv: kv[1])
-            say(f"cuda_ipc hand-off within 1.2x of the empty RPC at every B: "
-                f"{'PASS' if worst[1] <= 1.2 else 'FAIL'} (worst {worst[1]:.2f}x: {worst[0]})")
+            for read in ("deferred", "sync"):
+                ratios = {k[:4]: v["ratio"] for k, v in results.items() if len(k) == 5 and k[2] == "cuda_ipc"
+                          and k[4] == read}
+                worst = max(ratios.items(), key=lambda kv: kv[1])
+                verdict = ("PASS" if worst[1] <= 1.2 else "FAIL") if read == "deferred" else "for comparison"
+                say(f"cuda_ipc hand-off within 1.2x of the empty RPC at every B (read={read}): "
+                    f"{verdict} (worst {worst[1]:.2f}x: {worst[0]})")
         u, s = results["empty", "unary"]["p50_ms"], results["empty", "stream"]["p50_ms"]
         say(f"RPC style: unary p50 {u:.3f} ms vs bidi stream p50 {s:.3f} ms -> stream/unary {s / u:.2f}: "
             f"{'bidi stream' if s < u else 'unary'} for the per-step RPCs")
