@@ -193,6 +193,33 @@ def test_deferred_reads_are_all_checked_after_the_run(link):
             transport_pb2.ProbeRequest(input=bad), metadata=link.metadata + DEFERRED_READ, timeout=10)
 
 
+def test_deferred_reads_over_an_inline_link(server):
+    """Inline refs are decoded each step (a new tensor every time, never cached): deferred
+    reads still sum every byte of each."""
+    _, info, _ = server
+    transport = Transport(TransportConfig(peer_id=f"inline-{os.getpid()}", kind="shm", token="tok", self_test=False))
+    channel = grpc.insecure_channel(f"127.0.0.1:{info['port']}", options=channel_options())
+    try:
+        link = PeerLink(transport, channel)
+        link.attach(inline=True)
+        gen = torch.Generator().manual_seed(3)
+        want = []
+        for step in range(12):
+            data = _random_tensor(gen, 4096)
+            ref = link.send(transport.probe.put(step % 4, data))
+            assert len(ref.inline_data) == data.numel() * data.element_size()
+            reply = link.stub.Probe(transport_pb2.ProbeRequest(step_id=step, input=ref),
+                                    metadata=link.metadata + DEFERRED_READ, timeout=30)
+            assert reply.checksum == 0
+            want.append(checksum(data))
+        sums = _deferred_sums(link)
+        assert sums[:12] == want and not any(sums[12:])
+        link.detach()
+    finally:
+        transport.close()
+        channel.close()
+
+
 BAD = [
     (dict(region="nope"), "unknown region 'nope'"),
     (dict(slot=4), "slot 4 out of range [0, 4)"),

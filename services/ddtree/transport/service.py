@@ -13,6 +13,7 @@ import torch
 
 from ddtree.transport.endpoint import PeerScope, Transport
 from ddtree.transport.errors import TransportError, UnknownPeer
+from ddtree.transport.region import INLINE
 from ddtree.v1 import tensor_pb2, transport_pb2, transport_pb2_grpc
 
 PEER_METADATA_KEY = "ddtree-peer-id"
@@ -150,7 +151,8 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
         if request.HasField("input"):
             tensor = scope.resolve(request.input)
             if deferred and not request.echo:
-                self._enqueue_sum(scope.peer_id, request.step_id, tensor)
+                region = scope.peer.regions.get(request.input.region)   # resolved: it exists
+                self._enqueue_sum(scope.peer_id, request.step_id, tensor, cached=region.kind != INLINE)
             else:
                 reply.checksum = self._read(tensor, reply.timing)
                 if request.echo:
@@ -172,15 +174,18 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
         probe.record(slot)
         return ref
 
-    def _enqueue_sum(self, peer_id: str, step_id: int, tensor: torch.Tensor) -> None:
+    def _enqueue_sum(self, peer_id: str, step_id: int, tensor: torch.Tensor, cached: bool) -> None:
         """Deferred read: the byte sum of every input byte goes to ring[step_id % n] on the
-        current stream (ordered after resolve's event wait); nothing waits for it here."""
+        current stream (ordered after resolve's event wait); nothing waits for it here.
+        `cached`: `tensor` is a region's cached view (zero-copy kinds), so its uint8 view is
+        cached too; a decoded inline tensor is new every step and is not kept."""
         ring = self._sums.get(peer_id)
         if ring is None or ring.device != tensor.device:
             if len(self._sums) >= 64:   # peers come and go; rings are only for measurement runs
                 self._sums.clear()
             ring = self._sums[peer_id] = _SumRing(self._ring_size, tensor.device)
-        torch.sum(ring.byte_view(tensor), None, dtype=torch.int64, out=ring.cells[step_id % self._ring_size])
+        data = ring.byte_view(tensor) if cached else _bytes(tensor)
+        torch.sum(data, None, dtype=torch.int64, out=ring.cells[step_id % self._ring_size])
 
     _events = threading.local()   # per handler thread and device: two reusable timing events
 
