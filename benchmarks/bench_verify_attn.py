@@ -9,7 +9,17 @@ CUDA events), achieved TFLOP/s and GB/s, and side by side in the same run
 FLOPs = rows*h * (prefix + nodes) * 2 * (576 + 512); bytes = latent KV read once (576 x 2 per
 token) + queries + outputs. Small cases fit in the 60 MB L2 for the kernel and the copy alike.
 
+Decode shapes (rows per request <= 64, the memory-bound split path), --decode: the default
+launch config ("new": one-wave split count, fused or separate merge by the cost model) and the
+earlier one ("old": ~2 programs per SM, 3 stages, always the two-launch merge), each timed eagerly
+(CUDA events around the Python call) and under CUDA-graph replay (the call captured once, the
+graph replayed back to back between events), each against a device copy of the same bytes timed
+the same way. --sweep: split counts x merge kind x stages on a few decode shapes (graph replay),
+beside the cost model's estimate (kernels.mla_verify_triton._estimate), to calibrate it.
+
     python benchmarks/bench_verify_attn.py --out benchmarks/results/h200      # appends to kernels.txt
+    python benchmarks/bench_verify_attn.py --decode --sweep                   # decode path only
+    python benchmarks/bench_verify_attn.py --shapes 16x64x16x8192,1x64x16x8192  # grid rows, a subset
     python benchmarks/bench_verify_attn.py --variants    # launch configs on a few shapes
     python benchmarks/bench_verify_attn.py --resources   # no GPU: ptxas registers/spills per config
 """
@@ -27,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tree import device_us  # noqa: E402
+from bench_tree import SLEEP_CYCLES, device_us  # noqa: E402
 
 C, R = 512, 64
 PAGE = 64
@@ -63,7 +73,7 @@ class Workload:
         if nodes == 1:
             mask = causal_bitmask(1).expand(batch, -1, -1).contiguous()
         else:
-            lp, ids = random_topk(batch, 16, 8, generator=gen)
+            lp, ids = random_topk(batch, 16, min(8, nodes - 1), generator=gen)  # top-k <= budget
             mask = build_trees(lp, ids, nodes - 1, backend="reference").mask
         q_latent = torch.randn(batch * nodes, heads, C, device="cuda", dtype=torch.bfloat16)
         q_rope = torch.randn(batch * nodes, heads, R, device="cuda", dtype=torch.bfloat16)
@@ -89,42 +99,197 @@ def matmul_us(flops: float) -> tuple[float, float]:
     return timed(lambda: torch.mm(a, b)), 2.0 * n**3
 
 
-def copy_us(nbytes: float) -> float:
+def copy_pair(nbytes: float) -> tuple[torch.Tensor, torch.Tensor]:
     elems = max(1024, int(nbytes / 2 / 2))  # bf16 elements; a copy reads and writes them
     src = torch.randn(elems, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
+    return src, torch.empty_like(src)
+
+
+def copy_us(nbytes: float) -> float:
+    src, dst = copy_pair(nbytes)
     return timed(lambda: dst.copy_(src))
+
+
+def graph_us(fn, replays: int = 10, pairs: int = 7) -> float:
+    """Median device microseconds per call under CUDA-graph replay: fn's launches captured once
+    (after warm-up calls on the capture stream: compiled, workspaces allocated), the graph
+    replayed `replays` times back to back between two events; a spin kernel queued first keeps
+    the host's replay calls off the clock."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(pairs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2 * SLEEP_CYCLES)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / replays)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def old_config(rows: int, batch: int, max_kv_len: int) -> tuple:
+    """The launch config before the fused merge (for side-by-side runs): ~2 programs per SM,
+    >= 4 tiles per split, 3 stages, merged by a second launch."""
+    import triton
+    block_m = min(64, max(16, 1 << max(0, (rows - 1).bit_length())))
+    programs = batch * triton.cdiv(rows, block_m)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = max(1, min(max(1, triton.cdiv(max_kv_len, 32) // 4), triton.cdiv(2 * sms, programs)))
+    return block_m, 32, 4 if block_m <= 32 else 8, 3, splits, "separate" if splits > 1 else "none"
+
+
+def cfg_str(cfg: tuple) -> str:
+    bm, bn, warps, stages, splits, merge = cfg
+    return f"{bm}/{bn}/{warps}w/{stages}s/x{splits}/{merge[:3]}"
+
+
+DECODE_SHAPES = [(b, n, h, p) for n, h in ((1, 16), (1, 8), (4, 16)) for b in (1, 16, 64)
+                 for p in (8192, 32768, 1024)]
+DECODE_HEADER = ("verify_decode batch nodes  h  prefix | new config             eager_us graph_us %copy_e %copy_g"
+                 " | old config             eager_us graph_us %copy_e %copy_g | new/old_graph copy_GB/s_e copy_GB/s_g  checks")
+
+
+def decode_row(work, gen, batch: int, nodes: int, heads: int, prefix: int) -> str:
+    """One decode shape: new and old config, eager and graph timing; `diff`: max |new - old| over
+    max |old| (fused vs two-launch merge on the GPU); `same`: the new config's output is bitwise
+    the same after all the graph replays (the fused merge's counters stayed in step)."""
+    from ddtree.kernels import launch_config, mla_verify_attention_triton
+    inputs = work.case(batch, nodes, heads, prefix, gen)
+    kv_bound = inputs[3].shape[1] * PAGE
+    _, nbytes = counts(batch, nodes, heads, prefix)
+    src, dst = copy_pair(nbytes)
+    copy_e = nbytes / timed(lambda: dst.copy_(src)) / 1e3
+    copy_g = nbytes / graph_us(lambda: dst.copy_(src)) / 1e3
+    configs = (launch_config(nodes * heads, batch, kv_bound, torch.device("cuda")),
+               old_config(nodes * heads, batch, kv_bound))
+    first = [mla_verify_attention_triton(*inputs, 0.05, config=cfg) for cfg in configs]
+    cells, graph_times = [], []
+    for cfg in configs:
+        call = lambda: mla_verify_attention_triton(*inputs, 0.05, config=cfg)  # noqa: E731
+        eager, graph = timed(call), graph_us(call)
+        graph_times.append(graph)
+        gbs_e, gbs_g = nbytes / eager / 1e3, nbytes / graph / 1e3
+        cells.append(f"{cfg_str(cfg):22s} {eager:8.1f} {graph:8.1f} {100 * gbs_e / copy_e:7.0f} {100 * gbs_g / copy_g:7.0f}")
+    again = mla_verify_attention_triton(*inputs, 0.05, config=configs[0])
+    diff = ((first[0][0].float() - first[1][0].float()).abs().max() / first[1][0].float().abs().max()).item()
+    same = torch.equal(again[0], first[0][0]) and torch.equal(again[1], first[0][1])
+    return (f"verify_decode {batch:5d} {nodes:5d} {heads:2d} {prefix:7d} | {cells[0]} | {cells[1]} | "
+            f"{graph_times[0] / graph_times[1]:13.2f} {copy_e:10.0f} {copy_g:11.0f}  diff {diff:.1e} same {same}")
+
+
+def run_decode(args) -> list[str]:
+    """Decode shapes: new vs old launch config, eager and graph-replay timing, % of copy bandwidth."""
+    work = Workload(64, 32768, 4)
+    gen = torch.Generator().manual_seed(2)
+    lines, deadline = [DECODE_HEADER], time.monotonic() + args.seconds
+    print(DECODE_HEADER, flush=True)
+    for batch, nodes, heads, prefix in DECODE_SHAPES:
+        if time.monotonic() > deadline:
+            print(f"deadline: skipped decode b={batch} n={nodes} h={heads} p={prefix}", flush=True)
+            continue
+        try:
+            line = decode_row(work, gen, batch, nodes, heads, prefix)
+        except Exception as e:  # report, go on with the next shape
+            line = f"verify_decode b={batch} n={nodes} h={heads} p={prefix}: failed {type(e).__name__}: {e}"[:400]
+        lines.append(line)
+        print(line, flush=True)
+    return lines
+
+
+SWEEP_SHAPES = [(1, 1, 16, 32768), (1, 1, 16, 8192), (1, 1, 8, 1024), (16, 1, 16, 8192), (64, 1, 8, 8192),
+                (16, 4, 16, 8192)]
+
+
+def run_sweep(args) -> list[str]:
+    """Decode launch configs under graph replay, beside the cost model's estimate."""
+    import triton
+
+    from ddtree.kernels import launch_config, mla_verify_attention_triton
+    from ddtree.kernels import mla_verify_triton as km
+    work = Workload(64, 32768, 4)
+    gen = torch.Generator().manual_seed(3)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lines, deadline = [], time.monotonic() + args.seconds
+    for batch, nodes, heads, prefix in SWEEP_SHAPES:
+        inputs = work.case(batch, nodes, heads, prefix, gen)
+        kv_bound = inputs[3].shape[1] * PAGE
+        rows = nodes * heads
+        new = launch_config(rows, batch, kv_bound, torch.device("cuda"))
+        bm, bn, warps, _, s_new, _ = new
+        tiles = triton.cdiv(kv_bound, bn)
+        programs = batch * triton.cdiv(rows, bm)
+        slots = sms * (2 if bm <= 32 else 1)
+        split_set = sorted({s for s in (1, max(1, s_new // 2), s_new, 2 * s_new, old_config(rows, batch, kv_bound)[4])
+                            if s == 1 or s <= tiles // km.MIN_SPLIT_TILES})
+        configs = [new] + [(bm, bn, warps, st, s, m) for s in split_set for m in (("fused", "separate") if s > 1 else ("none",))
+                           for st in ((3, km.SPLIT_STAGES) if bm == 16 else (3,))]
+        _, nbytes = counts(batch, nodes, heads, prefix)
+        seen = set()
+        for cfg in configs:
+            if cfg in seen:
+                continue
+            seen.add(cfg)
+            if time.monotonic() > deadline:
+                lines.append("sweep: deadline")
+                print(lines[-1], flush=True)
+                return lines
+            try:
+                us = graph_us(lambda: mla_verify_attention_triton(*inputs, 0.05, config=cfg))
+            except Exception as e:  # e.g. out of shared memory: report, go on
+                lines.append(f"sweep b={batch} n={nodes} h={heads} p={prefix} {cfg_str(cfg)}: failed {type(e).__name__}: {e}"[:300])
+                print(lines[-1], flush=True)
+                continue
+            model = 1e6 * km._estimate(cfg[4], cfg[5], programs, slots, tiles, bm, bn, C, R, 2)
+            tag = " (default)" if cfg == new else ""
+            lines.append(f"sweep b={batch:3d} n={nodes:2d} h={heads:2d} p={prefix:6d} {cfg_str(cfg):22s} graph {us:8.1f} us "
+                         f"{nbytes / us / 1e3:6.0f} GB/s  model {model:8.1f} us{tag}")
+            print(lines[-1], flush=True)
+    return lines
 
 
 def run_grid(args) -> list[dict]:
     from ddtree.kernels import mla_verify_attention_triton
     from ddtree.models.mla_attention import mla_verify_attention_reference
-    work = Workload(max(BATCHES), max(PREFIXES), max(NODES))
+    work = Workload(max(s[0] for s in args.shapes) if args.shapes else max(BATCHES),
+                    max(s[3] for s in args.shapes) if args.shapes else max(PREFIXES), max(NODES))
     gen = torch.Generator().manual_seed(0)
     rows, deadline = [], time.monotonic() + args.seconds
     # Most telling cases first, so a deadline cuts the least informative ones.
-    for heads in (16, 8):
-        for nodes in (64, 16, 1):
-            for batch in (16, 64, 1):
-                for prefix in (8192, 32768, 1024):
-                    if time.monotonic() > deadline:
-                        print(f"deadline: skipped b={batch} n={nodes} h={heads} p={prefix}", flush=True)
-                        continue
-                    inputs = work.case(batch, nodes, heads, prefix, gen)
-                    scale = (C + R) ** -0.5
-                    flops, nbytes = counts(batch, nodes, heads, prefix)
-                    row = dict(batch=batch, nodes=nodes, heads=heads, prefix=prefix, flops=flops, bytes=nbytes)
-                    row["us"] = timed(lambda: mla_verify_attention_triton(*inputs, scale))
-                    row["nomask_us"] = (timed(lambda: mla_verify_attention_triton(*inputs, scale, tail_mask=False))
-                                        if nodes > 1 else float("nan"))
-                    mm_us, mm_flops = matmul_us(flops)
-                    row["mm_tflops"] = mm_flops / mm_us / 1e6
-                    row["copy_gbs"] = nbytes / copy_us(nbytes) / 1e3
-                    ref_bytes = batch * nodes * heads * (prefix + nodes) * 4 * 3 + batch * (prefix + nodes) * (C + R) * 4 * 2
-                    row["ref_us"] = (timed(lambda: mla_verify_attention_reference(*inputs, scale), 0.05, 3)
-                                     if ref_bytes < 4e9 else float("nan"))
-                    rows.append(row)
-                    print(format_row(row), flush=True)
+    shapes = args.shapes or [(b, n, h, p) for h in (16, 8) for n in (64, 16, 1) for b in (16, 64, 1)
+                             for p in (8192, 32768, 1024)]
+    for batch, nodes, heads, prefix in shapes:
+        if time.monotonic() > deadline:
+            print(f"deadline: skipped b={batch} n={nodes} h={heads} p={prefix}", flush=True)
+            continue
+        inputs = work.case(batch, nodes, heads, prefix, gen)
+        scale = (C + R) ** -0.5
+        flops, nbytes = counts(batch, nodes, heads, prefix)
+        row = dict(batch=batch, nodes=nodes, heads=heads, prefix=prefix, flops=flops, bytes=nbytes)
+        row["us"] = timed(lambda: mla_verify_attention_triton(*inputs, scale))
+        row["nomask_us"] = (timed(lambda: mla_verify_attention_triton(*inputs, scale, tail_mask=False))
+                            if nodes > 1 else float("nan"))
+        mm_us, mm_flops = matmul_us(flops)
+        row["mm_tflops"] = mm_flops / mm_us / 1e6
+        row["copy_gbs"] = nbytes / copy_us(nbytes) / 1e3
+        ref_bytes = batch * nodes * heads * (prefix + nodes) * 4 * 3 + batch * (prefix + nodes) * (C + R) * 4 * 2
+        row["ref_us"] = (timed(lambda: mla_verify_attention_reference(*inputs, scale), 0.05, 3)
+                         if ref_bytes < 4e9 else float("nan"))
+        rows.append(row)
+        print(format_row(row), flush=True)
     return rows
 
 
@@ -152,12 +317,12 @@ def run_variants(args) -> None:
     for batch, nodes, heads, prefix in shapes:
         inputs = work.case(batch, nodes, heads, prefix, gen)
         default = launch_config(nodes * heads, batch, inputs[3].shape[1] * PAGE, torch.device("cuda"))
-        bm, bn, w, st, sp = default
+        bm, bn, w, st, sp, mg = default
         configs = [default]
         if bm == 64:
-            configs += [(64, 32, 8, 2, sp), (64, 16, 8, 3, sp), (64, 16, 8, 4, sp)]
+            configs += [(64, 32, 8, 2, sp, mg), (64, 16, 8, 3, sp, mg), (64, 16, 8, 4, sp, mg)]
         else:
-            configs += [(bm, 64, 4, 2, sp), (bm, bn, w, st, max(1, sp // 2)), (bm, bn, w, st, sp * 2)]
+            configs += [(bm, 64, 4, 2, sp, mg), (bm, bn, w, st, max(1, sp // 2), mg), (bm, bn, w, st, sp * 2, mg)]
         flops, nbytes = counts(batch, nodes, heads, prefix)
         for cfg in configs:
             if time.monotonic() > deadline:
@@ -207,12 +372,21 @@ def resources() -> None:
               f"{kernel.metadata.shared} B, wgmma {kernel.asm['ptx'].count('wgmma.mma_async')}; {'; '.join(lines)}")
 
 
+def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+    return [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="folder whose kernels.txt gets the rows appended")
     parser.add_argument("--seconds", type=float, default=120.0, help="stop starting new cases after this")
     parser.add_argument("--variants", action="store_true")
     parser.add_argument("--resources", action="store_true")
+    parser.add_argument("--decode", action="store_true", help="decode shapes: new vs old config, eager and graph")
+    parser.add_argument("--sweep", action="store_true", help="decode configs under graph replay vs the model")
+    parser.add_argument("--shapes", type=parse_shapes, default=None,
+                        help="grid rows for these BxNODESxHxPREFIX shapes only (comma-separated)")
+    parser.add_argument("--text", type=Path, default=None, help="also append the decode/sweep/shapes lines here")
     args = parser.parse_args(argv)
     if args.resources:
         resources()
@@ -223,6 +397,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.variants:
         run_variants(args)
         return 0
+    if args.decode or args.sweep:
+        lines = [f"# {torch.cuda.get_device_properties(0).name}, torch {torch.__version__}, "
+                 f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; config = "
+                 "BLOCK_M/BLOCK_N/warps/stages/xsplits/merge (fus: one launch, sep: two, non: no split)"]
+        lines += run_decode(args) if args.decode else []
+        lines += run_sweep(args) if args.sweep else []
+        if args.text:
+            with open(args.text, "a") as f:
+                f.write("\n".join(lines) + "\n")
+        if not args.shapes:
+            return 0
     print(HEADER, flush=True)
     rows = run_grid(args)
     table = "\n".join(format_row(r) for r in sorted(rows, key=lambda r: (r["heads"], r["nodes"], r["batch"], r["prefix"])))
@@ -237,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
             "xref: torch reference time over kernel time (nan: reference skipped, > 4 GB)\n"
             f"{HEADER}\n{table}\n")
     print(text)
+    if args.text:
+        with open(args.text, "a") as f:
+            f.write(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / "kernels.txt", "a") as f:

@@ -191,6 +191,7 @@ def test_launch_config_one_wave_one_row_block(monkeypatch):
                     cfg = launch_config(rows, batch, kv, dev, merge=forced)
                     assert cfg[5] in (forced, "none")
     assert launch_config(256 * 16, 64, 8192, dev)[4] == 1  # enough programs: no split
+    assert launch_config(65 * 16, 1, 8256, dev) == (64, 32, 8, 3, 16, "separate")  # rows > 64: earlier rule
     with pytest.raises(ValueError, match="merge must be"):
         launch_config(16, 1, 1024, dev, merge="both")
 

@@ -226,6 +226,7 @@ def _pow2(n: int) -> int:
 
 MERGES = ("none", "fused", "separate")
 MIN_SPLIT_TILES = 4  # a split reads at least this many KV tiles
+SPLIT_WAVES = 2      # rows > 64 only (the earlier rule): split until about this many programs per SM
 SPLIT_STAGES = 5     # BLOCK_M 16: two KV tiles in flight per program (102 KB shared, 2 programs/SM)
 # Cost model for the split count and merge (seconds, bytes/s; H200 guesses, calibrated by the
 # device run's decode sweep, see docs/verify_attention.md):
@@ -264,6 +265,10 @@ def launch_config(rows_per_request: int, batch: int, max_kv_len: int, device: to
     program of a request merges) or a second launch; `_estimate` picks the pair. merge="fused"
     or "separate" forces the merge kind (when splits > 1). max_kv_len is a host-side bound
     (block-table width x page size): no device sync.
+
+    Rows > 64 (the compute-bound trees) keep the earlier rule, unchanged and measured: about
+    SPLIT_WAVES programs per SM, >= MIN_SPLIT_TILES tiles per split, 3 stages, merged by the
+    second launch (unless merge="fused").
     """
     if merge not in ("auto", "fused", "separate"):
         raise ValueError(f"merge must be auto, fused or separate, got {merge!r}")
@@ -274,6 +279,10 @@ def launch_config(rows_per_request: int, batch: int, max_kv_len: int, device: to
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
     slots = sms * (2 if block_m <= 32 else 1)  # registers: 4 warps x 255 (2/SM); 8 warps x 255 (1/SM)
     tiles = triton.cdiv(max(max_kv_len, 1), block_n)
+    if rows_per_request > 64:
+        splits = max(1, min(tiles // MIN_SPLIT_TILES, triton.cdiv(SPLIT_WAVES * sms, programs)))
+        return (block_m, block_n, warps, 3, splits,
+                "none" if splits == 1 else "fused" if merge == "fused" else "separate")
     max_splits = min(tiles // MIN_SPLIT_TILES, slots // programs) if programs < slots else 1
     if max_splits <= 1:
         return block_m, block_n, warps, 3, 1, "none"
