@@ -195,6 +195,11 @@ def main() -> int:
     say(f"# bench_transport  device={args.device} ({torch.cuda.get_device_name(0) if gpu else 'cpu'})  "
         f"torch={torch.__version__} grpc={grpc.__version__}  server kind={info['kind']}")
     say(f"# command: python benchmarks/bench_transport.py {' '.join(sys.argv[1:])}")
+    say("# step = producer record(slot) + send + request build -> one RPC carrying the TensorRef -> consumer resolve")
+    say("#   (validation, or the cached view of a known descriptor; cuda_ipc: its stream waits on the slot event) + a read")
+    say("#   of every byte on its device (byte sum) -> reply. read=deferred: the sum is enqueued into a per-step ring cell,")
+    say("#   no host sync, all sums checked after the loop; read=sync: the sum is read back per step (one host sync).")
+    say("#   Writing the slot is not counted. Each step alternates with an empty RPC of the same style ('empty').")
     results: dict = {}
     try:
         # --- empty RPCs: unary vs bidi stream -------------------------------------------
