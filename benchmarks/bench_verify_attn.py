@@ -223,7 +223,7 @@ def run_sweep(args) -> list[str]:
     work = Workload(64, 32768, 4)
     gen = torch.Generator().manual_seed(3)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    lines, deadline = [], time.monotonic() + args.seconds
+    lines, deadline = [], time.monotonic() + args.sweep_seconds
     for batch, nodes, heads, prefix in SWEEP_SHAPES:
         inputs = work.case(batch, nodes, heads, prefix, gen)
         kv_bound = inputs[3].shape[1] * PAGE
@@ -380,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="folder whose kernels.txt gets the rows appended")
     parser.add_argument("--seconds", type=float, default=120.0, help="stop starting new cases after this")
+    parser.add_argument("--sweep-seconds", type=float, default=30.0, help="the same, for --sweep")
     parser.add_argument("--variants", action="store_true")
     parser.add_argument("--resources", action="store_true")
     parser.add_argument("--decode", action="store_true", help="decode shapes: new vs old config, eager and graph")
@@ -397,38 +398,40 @@ def main(argv: list[str] | None = None) -> int:
     if args.variants:
         run_variants(args)
         return 0
-    if args.decode or args.sweep:
-        lines = [f"# {torch.cuda.get_device_properties(0).name}, torch {torch.__version__}, "
-                 f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; config = "
-                 "BLOCK_M/BLOCK_N/warps/stages/xsplits/merge (fus: one launch, sep: two, non: no split)"]
-        lines += run_decode(args) if args.decode else []
-        lines += run_sweep(args) if args.sweep else []
+    def append(text: str) -> None:
         if args.text:
             with open(args.text, "a") as f:
-                f.write("\n".join(lines) + "\n")
-        if not args.shapes:
-            return 0
-    print(HEADER, flush=True)
-    rows = run_grid(args)
-    table = "\n".join(format_row(r) for r in sorted(rows, key=lambda r: (r["heads"], r["nodes"], r["batch"], r["prefix"])))
-    props = torch.cuda.get_device_properties(0)
-    import triton
-    text = (f"\nTree-verify MLA attention (Triton), bf16, latent 512 + rope 64, page {PAGE}; median device time (CUDA events)\n"
-            f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}\n"
-            f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
-            f"command: python benchmarks/bench_verify_attn.py --out benchmarks/results/h200\n"
-            "%mm: kernel TFLOP/s over a bf16 cuBLAS matmul of the same FLOPs; %copy: kernel GB/s over a\n"
-            "device copy of the same bytes; mask%: time over the same kernel with the tail mask off;\n"
-            "xref: torch reference time over kernel time (nan: reference skipped, > 4 GB)\n"
-            f"{HEADER}\n{table}\n")
-    print(text)
-    if args.text:
-        with open(args.text, "a") as f:
-            f.write(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "kernels.txt", "a") as f:
-            f.write(text)
+                f.write(text)
+
+    # Sections in order of importance (a time limit cuts the last): decode table, grid rows, sweep.
+    if args.decode:
+        append(f"# {torch.cuda.get_device_properties(0).name}, torch {torch.__version__}, "
+               f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; config = BLOCK_M/BLOCK_N/"
+               "warps/stages/xsplits/merge (fus: one launch, sep: two, non: no split); decode run "
+               f"stops starting shapes after {args.seconds:.0f} s\n" + "\n".join(run_decode(args)) + "\n")
+    if args.shapes or not (args.decode or args.sweep):
+        print(HEADER, flush=True)
+        rows = run_grid(args)
+        table = "\n".join(format_row(r) for r in sorted(rows, key=lambda r: (r["heads"], r["nodes"], r["batch"], r["prefix"])))
+        props = torch.cuda.get_device_properties(0)
+        import triton
+        text = (f"\nTree-verify MLA attention (Triton), bf16, latent 512 + rope 64, page {PAGE}; median device time (CUDA events)\n"
+                f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}\n"
+                f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
+                f"command: python benchmarks/bench_verify_attn.py {' '.join(argv if argv is not None else sys.argv[1:])}\n"
+                "%mm: kernel TFLOP/s over a bf16 cuBLAS matmul of the same FLOPs; %copy: kernel GB/s over a\n"
+                "device copy of the same bytes; mask%: time over the same kernel with the tail mask off;\n"
+                "xref: torch reference time over kernel time (nan: reference skipped, > 4 GB)\n"
+                f"{HEADER}\n{table}\n")
+        print(text)
+        append(text)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            with open(args.out / "kernels.txt", "a") as f:
+                f.write(text)
+    if args.sweep:
+        append("\n# decode launch configs under CUDA-graph replay vs the cost model (kernels.mla_verify_triton._estimate)\n"
+               + "\n".join(run_sweep(args)) + "\n")
     return 0
 
 
