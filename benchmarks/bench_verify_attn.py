@@ -37,7 +37,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tree import SLEEP_CYCLES, device_us  # noqa: E402
+import bench_tree  # noqa: E402
+from bench_tree import device_us  # noqa: E402
+
+SLEEP_CYCLES = getattr(bench_tree, "SLEEP_CYCLES", 400_000)  # GPU spin before a timed call
 
 C, R = 512, 64
 PAGE = 64
