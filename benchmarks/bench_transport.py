@@ -184,12 +184,19 @@ def main() -> int:
     gpu = args.device.startswith("cuda")
     kinds = (args.kinds or ("cuda_ipc,shm,inline" if gpu else "shm,inline")).split(",")
     batches = [int(b) for b in args.batches.split(",")]
-    lines: list[str] = []
+    out = None
+    if args.out:   # written line by line: a run cut by a time limit keeps what it measured
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        out = open(args.out, "w")
 
     def say(line=""):
         print(line, flush=True)
-        lines.append(line)
+        if out is not None:
+            out.write(line + "\n")
+            out.flush()
 
+    # a time limit (SIGTERM from `timeout`) still runs the finally below: the server is stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     server, info = start_server(args.device, "cuda_ipc" if gpu else "shm")
     channel = grpc.insecure_channel(f"127.0.0.1:{info['port']}", options=channel_options())
     say(f"# bench_transport  device={args.device} ({torch.cuda.get_device_name(0) if gpu else 'cpu'})  "
@@ -330,12 +337,10 @@ def main() -> int:
         channel.close()
         server.send_signal(signal.SIGTERM)
         server.wait(60)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump({" ".join(map(str, k)): v for k, v in results.items()}, f, indent=1)
+        if out is not None:
+            out.close()
+            with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+                json.dump({" ".join(map(str, k)): v for k, v in results.items()}, f, indent=1)
     return 0
 
 
