@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                       "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}",
                       "OTEL_EXPORTER_OTLP_INSECURE": "true"}}
     runs: dict[str, list] = {"off": [], "on": []}
+    head = header(argv)
     for rep in range(args.repeats):               # off and on alternate, so drift hits both alike
         for name, env in tracing.items():
             proc, address = start_stack(args, env, out / f"{args.stack}_tracing_{name}_{rep}.log")
@@ -157,10 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 stop(proc)
             (out / f"service_tracing_{name}_{rep}.json").write_text(to_json(runs[name][-1], config, server))
+            if name == "off" and rep == 0:  # written at once: a run cut short later still leaves the baseline
+                (out / "service_baseline.txt").write_text(
+                    head + "# tracing off, first repeat; every request generates max_tokens (ignore_eos)\n"
+                    + format_table(runs["off"][0], server))
     collector.write(trace_file)
-    head = header(argv)
-    (out / "service_baseline.txt").write_text(
-        head + "# tracing off, first repeat; every request generates max_tokens (ignore_eos)\n" + format_table(runs["off"][0], server))
     report = subprocess.run([sys.executable, "-m", "ddtree.cli", "trace-report", "--file",
                              str(trace_file), "--group-by", "level"], capture_output=True, text=True)
     (out / "trace_report.txt").write_text(head + "# full-sampling tracing runs, grouped by load-test level\n"
