@@ -49,6 +49,9 @@ void register_tree(py::module_& m) {
   const char* build_doc =
       "Best-first tree build over a batch (addresses of contiguous tensors; budgets = 0 means "
       "every request uses max_budget). Writes tokens/depths/parents/num_nodes/mask/status.";
+  const char* build_warp_doc =
+      "tree_build_cuda with the previous kernel only (one warp per request, sequential pops); "
+      "kept for comparison.";
   const char* accept_doc =
       "Accept walk over a batch of trees (addresses of contiguous int32 tensors). Writes "
       "path/length/bonus/keep/status.";
@@ -77,6 +80,20 @@ void register_tree(py::module_& m) {
                                reinterpret_cast<void*>(stream));
       },
       build_doc, py::arg("logprobs"), py::arg("ids"), py::arg("budgets"), py::arg("batch"),
+      py::arg("depth"), py::arg("topk"), py::arg("max_budget"), py::arg("tokens"),
+      py::arg("depths"), py::arg("parents"), py::arg("num_nodes"), py::arg("mask"),
+      py::arg("status"), py::arg("stream"));
+  m.def(
+      "tree_build_cuda_warp",
+      [](uintptr_t logprobs, uintptr_t ids, uintptr_t budgets, int batch, int depth, int topk,
+         int max_budget, uintptr_t tokens, uintptr_t depths, uintptr_t parents,
+         uintptr_t num_nodes, uintptr_t mask, uintptr_t status, uintptr_t stream) {
+        py::gil_scoped_release release;
+        tree::build_trees_cuda_warp(build_args(logprobs, ids, budgets, batch, depth, topk, max_budget),
+                               build_outputs(tokens, depths, parents, num_nodes, mask, status),
+                               reinterpret_cast<void*>(stream));
+      },
+      build_warp_doc, py::arg("logprobs"), py::arg("ids"), py::arg("budgets"), py::arg("batch"),
       py::arg("depth"), py::arg("topk"), py::arg("max_budget"), py::arg("tokens"),
       py::arg("depths"), py::arg("parents"), py::arg("num_nodes"), py::arg("mask"),
       py::arg("status"), py::arg("stream"));

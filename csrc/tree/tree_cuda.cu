@@ -6,9 +6,15 @@
 // a rare warp-uniform path through the rank paths) and the array shifts by at most one place
 // through lane shuffles. Rows past the live frontier are skipped, so a pop costs a few dozen
 // instructions per live row and no memory traffic beyond the log-prob reads in shared memory.
+#ifndef DDTREE_TREE_EMULATION  // tree_cuda_emulate.cc compiles the build kernels as host C++
 #include <cuda_runtime.h>
+#define DDTREE_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#define DDTREE_BLOCK_PATH(fallback)  // the emulation counts the block kernel's paths
+#endif
 
+#include <algorithm>
 #include <climits>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -23,11 +29,13 @@ constexpr int kWarp = 32;
 constexpr int kNoPosition = 1 << 30;
 constexpr size_t kDefaultSharedLimit = 48 * 1024;
 
+#ifndef DDTREE_TREE_EMULATION
 void check_cuda(cudaError_t err, const char* what) {
   if (err != cudaSuccess)
     throw std::runtime_error(std::string("ddtree tree ") + what + " kernel launch failed: " +
                              cudaGetErrorString(err));
 }
+#endif
 
 // Shared memory of one build block: log-probs [D][K] (staged as double when they fit, so a pop
 // converts nothing), then node parent/rank/depth.
@@ -53,57 +61,11 @@ __device__ __noinline__ bool tie_pops_before(uint32_t ca, uint32_t cb, const int
 }
 
 
+// The sequential best-first loop of one warp (the exact algorithm, pop by pop). Node 0 of
+// s_parent/s_rank/s_depth must hold the root. Returns the number of nodes popped.
 template <int M, typename Staged>
-__global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs out) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int D = in.depth, K = in.topk, N = in.max_budget, W = mask_words(N + 1);
-  const int b = blockIdx.x, lane = threadIdx.x;
-  const BuildShared layout(D, K, N, sizeof(Staged));
-  Staged* s_lp = reinterpret_cast<Staged*>(smem);
-  int16_t* s_parent = reinterpret_cast<int16_t*>(smem + layout.parent_offset);
-  int16_t* s_rank = reinterpret_cast<int16_t*>(smem + layout.rank_offset);
-  int8_t* s_depth = reinterpret_cast<int8_t*>(smem + layout.depth_offset);
-
-  // Stage this request's log-probs in shared memory and check them.
-  const float* lp = in.logprobs + static_cast<long>(b) * D * K;
-  const int numel = D * K;
-  bool nonfinite = false, unordered = false;
-  const bool vectorized = (K & 3) == 0 && (reinterpret_cast<uintptr_t>(lp) & 15) == 0;
-  if (vectorized) {  // a float4 never straddles two rows
-    const float4* lp4 = reinterpret_cast<const float4*>(lp);
-#pragma unroll 4
-    for (int i = lane; i < numel / 4; i += kWarp) {
-      const float4 v = __ldg(lp4 + i);
-      s_lp[4 * i] = v.x;
-      s_lp[4 * i + 1] = v.y;
-      s_lp[4 * i + 2] = v.z;
-      s_lp[4 * i + 3] = v.w;
-      nonfinite |= !(isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
-      unordered |= v.x < v.y || v.y < v.z || v.z < v.w;
-    }
-  } else {
-    for (int i = lane; i < numel; i += kWarp) {
-      const float v = __ldg(lp + i);
-      s_lp[i] = v;
-      nonfinite |= !isfinite(v);
-    }
-  }
-  if (lane == 0) {
-    s_parent[0] = -1;
-    s_rank[0] = 0;
-    s_depth[0] = 0;
-  }
-  __syncwarp();
-  const int step = vectorized ? 4 : 1;  // pairs (i - 1, i) left to compare: i % step == 0
-  for (int i = lane * step; i < numel; i += kWarp * step)
-    if (i % K != 0) unordered |= s_lp[i - 1] < s_lp[i];
-
-  const int budget = in.budgets ? in.budgets[b] : N;
-  int32_t status = kOk;
-  if (__any_sync(kFullMask, nonfinite)) status = kNonFinite;
-  else if (__any_sync(kFullMask, unordered)) status = kNotDescending;
-  if (budget < 1 || budget > N) status = kBadBudget;
-
+__device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t* s_parent,
+                          int16_t* s_rank, int8_t* s_depth, int lane) {
   // Frontier position j = k * 32 + lane lives in score[k] / cand[k]; positions < live are
   // valid, in pop order. live <= min(32 * M, budget - n): later positions could never pop.
   double score[M];
@@ -121,7 +83,7 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
   const int up_lane = (lane + kWarp - 1) % kWarp, down_lane = (lane + 1) % kWarp;
 
   int n = 0;
-  while (status == kOk && n < budget && live > 0) {
+  while (n < budget && live > 0) {
     const double head_score = __shfl_sync(kFullMask, score[0], 0);
     const uint32_t head = __shfl_sync(kFullMask, cand[0], 0);
     ++n;
@@ -224,14 +186,20 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
     live = next_live;
   }
   __syncwarp();
+  return n;
+}
 
-  // Outputs, padding included.
+// Outputs of request b, padding included, by threads tid = 0..nthreads-1.
+__device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int b, int n,
+                              int32_t status, const int16_t* s_parent, const int16_t* s_rank,
+                              const int8_t* s_depth, int tid, int nthreads) {
+  const int D = in.depth, K = in.topk, N = in.max_budget, W = mask_words(N + 1);
   const int32_t* ids = in.ids + static_cast<long>(b) * D * K;
   int32_t* tokens = out.tokens + static_cast<long>(b) * N;
   int32_t* depths = out.depths + static_cast<long>(b) * N;
   int32_t* parents = out.parents + static_cast<long>(b) * (N + 1);
   uint64_t* mask = out.mask + static_cast<long>(b) * (N + 1) * W;
-  for (int i = lane; i < N; i += kWarp) {
+  for (int i = tid; i < N; i += nthreads) {
     const int node = i + 1;
     if (node <= n) {
       const int d = s_depth[node];
@@ -242,9 +210,9 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
       depths[i] = 0;
     }
   }
-  for (int i = lane; i <= N; i += kWarp) parents[i] = (i >= 1 && i <= n) ? s_parent[i] : -1;
+  for (int i = tid; i <= N; i += nthreads) parents[i] = (i >= 1 && i <= n) ? s_parent[i] : -1;
   // Row i, word w: the ancestors of i (parents have smaller indices) that fall in the word.
-  for (int idx = lane; idx < (N + 1) * W; idx += kWarp) {
+  for (int idx = tid; idx < (N + 1) * W; idx += nthreads) {
     const int row = idx / W, lo = (idx - row * W) * 64;
     uint64_t bits = 0;
     if (row <= n)
@@ -252,12 +220,481 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
         if (v < lo + 64) bits |= uint64_t{1} << (v - lo);
     mask[idx] = bits;
   }
-  if (lane == 0) {
+  if (tid == 0) {
     out.num_nodes[b] = n;
     out.status[b] = status;
   }
 }
 
+
+template <int M, typename Staged>
+__global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs out) {
+  DDTREE_DYNAMIC_SMEM(smem);
+  const int D = in.depth, K = in.topk, N = in.max_budget;
+  const int b = blockIdx.x, lane = threadIdx.x;
+  const BuildShared layout(D, K, N, sizeof(Staged));
+  Staged* s_lp = reinterpret_cast<Staged*>(smem);
+  int16_t* s_parent = reinterpret_cast<int16_t*>(smem + layout.parent_offset);
+  int16_t* s_rank = reinterpret_cast<int16_t*>(smem + layout.rank_offset);
+  int8_t* s_depth = reinterpret_cast<int8_t*>(smem + layout.depth_offset);
+
+  // Stage this request's log-probs in shared memory and check them.
+  const float* lp = in.logprobs + static_cast<long>(b) * D * K;
+  const int numel = D * K;
+  bool nonfinite = false, unordered = false;
+  const bool vectorized = (K & 3) == 0 && (reinterpret_cast<uintptr_t>(lp) & 15) == 0;
+  if (vectorized) {  // a float4 never straddles two rows
+    const float4* lp4 = reinterpret_cast<const float4*>(lp);
+#pragma unroll 4
+    for (int i = lane; i < numel / 4; i += kWarp) {
+      const float4 v = __ldg(lp4 + i);
+      s_lp[4 * i] = v.x;
+      s_lp[4 * i + 1] = v.y;
+      s_lp[4 * i + 2] = v.z;
+      s_lp[4 * i + 3] = v.w;
+      nonfinite |= !(isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
+      unordered |= v.x < v.y || v.y < v.z || v.z < v.w;
+    }
+  } else {
+    for (int i = lane; i < numel; i += kWarp) {
+      const float v = __ldg(lp + i);
+      s_lp[i] = v;
+      nonfinite |= !isfinite(v);
+    }
+  }
+  if (lane == 0) {
+    s_parent[0] = -1;
+    s_rank[0] = 0;
+    s_depth[0] = 0;
+  }
+  __syncwarp();
+  const int step = vectorized ? 4 : 1;  // pairs (i - 1, i) left to compare: i % step == 0
+  for (int i = lane * step; i < numel; i += kWarp * step)
+    if (i % K != 0) unordered |= s_lp[i - 1] < s_lp[i];
+
+  const int budget = in.budgets ? in.budgets[b] : N;
+  int32_t status = kOk;
+  if (__any_sync(kFullMask, nonfinite)) status = kNonFinite;
+  else if (__any_sync(kFullMask, unordered)) status = kNotDescending;
+  if (budget < 1 || budget > N) status = kBadBudget;
+
+  int n = 0;
+  if (status == kOk) n = warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, lane);
+  __syncwarp();
+  write_outputs(in, out, b, n, status, s_parent, s_rank, s_depth, lane, kWarp);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block build: one block of kBlock threads per request, selection in parallel, verified exactly,
+// the warp loop above as the fallback. services/ddtree/tree/parallel_model.py is a plain-Python
+// model of these steps (same float64 operations, bins and checks), tested against the oracle;
+// docs/tree.md "The block kernel" gives the argument.
+//
+// 1. Exact inputs: when every log-prob is a multiple of 2^-q with D * max|lp| < 2^(53-q), every
+//    float64 partial sum along a path is exact, so a path's contract score is the plain sum of
+//    its log-probs in any order (no sibling chains to replay).
+// 2. Pool: level by level, each live parent p (score >= tau) gets the children j with
+//    score(p) + lp[d-1][j] >= tau and (j + 1) * prod(p) <= budget (prod = product of rank + 1
+//    along the path): a prefix of the row, counted by binary search, written to consecutive
+//    slots after a block scan. tau rises (histogram select) whenever more than budget nodes live.
+// 3. The live nodes are ranked by the contract's total order by counting; the first budget form
+//    the tree (node index = rank + 1).
+// 4. Verification: each tree node's generator (elder sibling, or the parent for rank 0) is in
+//    the tree and ranks before it; each offer of a tree node that is not in the tree pops after
+//    the last tree node; a tree short of budget has no such offer. Then the heap algorithm pops
+//    exactly these nodes in this order. Otherwise (or on inexact inputs, a full pool, too many
+//    tied candidates) warp 0 runs the exact sequential loop.
+
+constexpr int kBlock = 256;
+constexpr int kBins = kBlock;            // histogram bins of one threshold step
+constexpr int kMaxPool = 8192;           // pool slots (int16 indices)
+constexpr int kMinPool = 2048;
+constexpr int kCandidateFactor = 4;      // more than 4 * budget tied candidates: fall back
+constexpr size_t kBlockSharedLimit = 227 * 1024;
+
+// Dynamic shared memory of one block build: 8-byte arrays first, then 4-, 2- and 1-byte ones.
+struct BlockShared {
+  size_t bytes;
+  size_t lp, pool_score, cand_score, offs, pool_prefix, pool_rank, pool_prod, pool_index,
+      cand_slot, parent, rank, order, pool_depth, has_next, has_child, depth;
+  __host__ __device__ BlockShared(int D, int K, int N, int C, size_t staged_size) {
+    const int Mc = kCandidateFactor * N;
+    size_t o = 0;
+    auto take = [&o](size_t n, size_t align) {
+      o = (o + align - 1) / align * align;
+      const size_t at = o;
+      o += n;
+      return at;
+    };
+    pool_score = take(sizeof(double) * C, 8);
+    cand_score = take(sizeof(double) * Mc, 8);
+    lp = take(staged_size * static_cast<size_t>(D) * K, 8);
+    offs = take(sizeof(int32_t) * C, 4);
+    pool_prefix = take(sizeof(int16_t) * C, 2);
+    pool_rank = take(sizeof(int16_t) * C, 2);
+    pool_prod = take(sizeof(int16_t) * C, 2);
+    pool_index = take(sizeof(int16_t) * C, 2);
+    cand_slot = take(sizeof(int16_t) * Mc, 2);
+    parent = take(sizeof(int16_t) * (N + 1), 2);
+    rank = take(sizeof(int16_t) * (N + 1), 2);
+    order = take(sizeof(int16_t) * (N + 1), 2);
+    pool_depth = take(C, 1);
+    has_next = take(C, 1);
+    has_child = take(C, 1);
+    depth = take(N + 1, 1);
+    bytes = (o + 15) / 16 * 16;
+  }
+};
+
+struct BlockScalars {
+  int warp_sums[kBlock / kWarp];
+  int hist[kBins];
+  unsigned long long key_min, key_max, key_cut;
+  int total, cut_bin, cut_live, m, n;
+  unsigned int abs_max;  // float bits of max |lp|
+};
+
+// Doubles as unsigned keys in the same order (no NaN here).
+__device__ __forceinline__ unsigned long long order_key(double x) {
+  const unsigned long long k = static_cast<unsigned long long>(__double_as_longlong(x));
+  return (k >> 63) ? ~k : (k | 0x8000000000000000ull);
+}
+__device__ __forceinline__ double key_double(unsigned long long k) {
+  return __longlong_as_double(static_cast<long long>((k >> 63) ? (k & 0x7fffffffffffffffull) : ~k));
+}
+
+// Inclusive prefix sum of v over the block; *total gets the sum. Contains two __syncthreads.
+__device__ int block_inclusive_scan(int v, BlockScalars& sh, int* total) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+#pragma unroll
+  for (int o = 1; o < kWarp; o *= 2) {
+    const int u = __shfl_up_sync(kFullMask, v, o);
+    if (lane >= o) v += u;
+  }
+  if (lane == kWarp - 1) sh.warp_sums[warp] = v;
+  __syncthreads();
+  int before = 0, all = 0;
+#pragma unroll
+  for (int w = 0; w < kBlock / kWarp; ++w) {
+    const int s = sh.warp_sums[w];
+    before += w < warp ? s : 0;
+    all += s;
+  }
+  __syncthreads();  // warp_sums may be reused
+  *total = all;
+  return v + before;
+}
+
+__device__ __forceinline__ int bin_of(double s, double mn, double scale) {
+  const double t = (s - mn) * scale;
+  return t >= kBins ? kBins - 1 : static_cast<int>(t);
+}
+
+// Raises tau so that the live nodes (pool slots 1..count-1 with score >= tau, `live` of them,
+// live > budget) shrink to the top histogram bins holding >= budget of them; tau becomes the
+// smallest score in those bins. Leaves tau alone when all live scores are equal. Block-uniform
+// arguments; every thread returns the same tau and live.
+__device__ void tighten(const double* score, int count, double& tau, int& live, int budget,
+                        BlockScalars& sh) {
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    sh.key_min = ~0ull;
+    sh.key_max = 0ull;
+    sh.key_cut = ~0ull;
+  }
+  sh.hist[tid] = 0;
+  __syncthreads();
+  unsigned long long kmin = ~0ull, kmax = 0ull;
+  for (int s = 1 + tid; s < count; s += kBlock) {
+    if (score[s] >= tau) {
+      const unsigned long long k = order_key(score[s]);
+      kmin = min(kmin, k);
+      kmax = max(kmax, k);
+    }
+  }
+  if (kmin != ~0ull) {
+    atomicMin(&sh.key_min, kmin);
+    atomicMax(&sh.key_max, kmax);
+  }
+  __syncthreads();
+  const double mn = key_double(sh.key_min), mx = key_double(sh.key_max);
+  if (!(mx - mn > 0.0)) {
+    __syncthreads();  // everyone has read the keys
+    return;
+  }
+  const double scale = kBins / (mx - mn);
+  for (int s = 1 + tid; s < count; s += kBlock)
+    if (score[s] >= tau) atomicAdd(&sh.hist[bin_of(score[s], mn, scale)], 1);
+  __syncthreads();
+  // Suffix sums of the histogram: thread t scans bin kBins - 1 - t.
+  const int h = sh.hist[kBins - 1 - tid];
+  int unused;
+  const int suffix = block_inclusive_scan(h, sh, &unused);
+  if (suffix >= budget && suffix - h < budget) {  // exactly one thread: the cut bin
+    sh.cut_bin = kBins - 1 - tid;
+    sh.cut_live = suffix;
+  }
+  __syncthreads();
+  const int cut = sh.cut_bin;
+  unsigned long long kcut = ~0ull;
+  for (int s = 1 + tid; s < count; s += kBlock)
+    if (score[s] >= tau && bin_of(score[s], mn, scale) >= cut) kcut = min(kcut, order_key(score[s]));
+  if (kcut != ~0ull) atomicMin(&sh.key_cut, kcut);
+  __syncthreads();
+  tau = key_double(sh.key_cut);
+  live = sh.cut_live;
+  __syncthreads();  // everyone has read the scalars
+}
+
+// The contract's order between pool candidates (prefix slot, rank, depth) with scores.
+__device__ __forceinline__ bool pool_before(double sa, int pa, int ra, int da, double sb, int pb,
+                                            int rb, int db, const int16_t* prefix,
+                                            const int16_t* rank) {
+  if (sa != sb) return sa > sb;
+  return rank_path_less(pa, ra, da, pb, rb, db, prefix, rank);
+}
+
+template <int M, typename Staged>
+__global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, BuildOutputs out,
+                                                             int capacity) {
+  DDTREE_DYNAMIC_SMEM(smem);
+  __shared__ BlockScalars sh;
+  const int D = in.depth, K = in.topk, N = in.max_budget, C = capacity;
+  const int b = blockIdx.x, tid = threadIdx.x;
+  const BlockShared layout(D, K, N, C, sizeof(Staged));
+  Staged* s_lp = reinterpret_cast<Staged*>(smem + layout.lp);
+  double* p_score = reinterpret_cast<double*>(smem + layout.pool_score);
+  double* c_score = reinterpret_cast<double*>(smem + layout.cand_score);
+  int32_t* offs = reinterpret_cast<int32_t*>(smem + layout.offs);
+  int16_t* p_prefix = reinterpret_cast<int16_t*>(smem + layout.pool_prefix);
+  int16_t* p_rank = reinterpret_cast<int16_t*>(smem + layout.pool_rank);
+  int16_t* p_prod = reinterpret_cast<int16_t*>(smem + layout.pool_prod);
+  int16_t* p_index = reinterpret_cast<int16_t*>(smem + layout.pool_index);
+  int16_t* c_slot = reinterpret_cast<int16_t*>(smem + layout.cand_slot);
+  int16_t* s_parent = reinterpret_cast<int16_t*>(smem + layout.parent);
+  int16_t* s_rank = reinterpret_cast<int16_t*>(smem + layout.rank);
+  int16_t* s_order = reinterpret_cast<int16_t*>(smem + layout.order);
+  int8_t* p_depth = reinterpret_cast<int8_t*>(smem + layout.pool_depth);
+  uint8_t* has_next = reinterpret_cast<uint8_t*>(smem + layout.has_next);
+  uint8_t* has_child = reinterpret_cast<uint8_t*>(smem + layout.has_child);
+  int8_t* s_depth = reinterpret_cast<int8_t*>(smem + layout.depth);
+
+  // Stage and check this request's log-probs; max |lp| for the exactness test.
+  const float* lp = in.logprobs + static_cast<long>(b) * D * K;
+  const int numel = D * K;
+  if (tid == 0) {
+    sh.abs_max = 0u;
+    s_parent[0] = -1;  // the root, for either path
+    s_rank[0] = 0;
+    s_depth[0] = 0;
+  }
+  __syncthreads();
+  bool nonfinite = false, unordered = false;
+  float abs_max = 0.0f;
+  for (int i = tid; i < numel; i += kBlock) {
+    const float v = __ldg(lp + i);
+    s_lp[i] = v;
+    nonfinite |= !isfinite(v);
+    abs_max = fmaxf(abs_max, fabsf(v));  // fmaxf ignores NaN; NaN is reported anyway
+  }
+  if (isfinite(abs_max)) atomicMax(&sh.abs_max, __float_as_uint(abs_max));
+  __syncthreads();
+  for (int i = tid; i < numel; i += kBlock)
+    if (i % K != 0) unordered |= static_cast<float>(s_lp[i - 1]) < static_cast<float>(s_lp[i]);
+  const int budget = in.budgets ? in.budgets[b] : N;
+  int32_t status = kOk;
+  if (__syncthreads_or(nonfinite)) status = kNonFinite;
+  else if (__syncthreads_or(unordered)) status = kNotDescending;
+  if (budget < 1 || budget > N) status = kBadBudget;
+
+  bool exact = status == kOk;
+  if (exact) {
+    const double big = static_cast<double>(__uint_as_float(sh.abs_max));
+    if (big > 0.0) {
+      int e;
+      frexp(static_cast<double>(D) * big, &e);  // D * max|lp| < 2^e
+      const int q = 53 - e;
+      bool ok = true;
+      for (int i = tid; i < numel; i += kBlock) {
+        const double t = ldexp(static_cast<double>(s_lp[i]), q);
+        ok &= t == floor(t);
+      }
+      exact = __syncthreads_and(ok);
+    }
+  }
+
+  int n = 0;
+  bool fallback = status == kOk && !exact;
+  if (status == kOk && exact) {
+    // The pool: slot 0 is the root.
+    if (tid == 0) {
+      p_score[0] = 0.0;
+      p_prefix[0] = -1;
+      p_rank[0] = 0;
+      p_prod[0] = 1;
+      p_depth[0] = 0;
+    }
+    __syncthreads();
+    double tau = -INFINITY;
+    int count = 1, lo = 0, hi = 1, live = 0;
+    for (int d = 1; d <= D; ++d) {
+      const Staged* row = s_lp + (d - 1) * K;
+      // Children per live parent of the last level, a contiguous chunk of parents per thread.
+      const int P = hi - lo, chunk = (P + kBlock - 1) / kBlock;
+      const int first = lo + min(P, tid * chunk), last = lo + min(P, (tid + 1) * chunk);
+      int mine = 0;
+      for (int p = first; p < last; ++p) {
+        int c = 0;
+        if (p == 0 || p_score[p] >= tau) {
+          const double base = p_score[p];
+          int a = 0, z = min(K, budget / p_prod[p]);  // children j < c: base + row[j] >= tau
+          while (a < z) {
+            const int mid = (a + z) / 2;
+            if (base + static_cast<double>(row[mid]) >= tau) a = mid + 1;
+            else z = mid;
+          }
+          c = a;
+        }
+        offs[p - lo] = c;
+        mine += c;
+      }
+      int total;
+      int base_off = block_inclusive_scan(mine, sh, &total) - mine;
+      for (int p = first; p < last; ++p) {
+        const int c = offs[p - lo];
+        offs[p - lo] = base_off;
+        base_off += c;
+      }
+      if (count + total > C) {  // block-uniform
+        fallback = true;
+        break;
+      }
+      if (total == 0) break;
+      __syncthreads();  // offs complete
+      for (int i = tid; i < total; i += kBlock) {
+        int a = 0, z = P - 1;  // the last parent whose offset is <= i
+        while (a < z) {
+          const int mid = (a + z + 1) / 2;
+          if (offs[mid] <= i) a = mid;
+          else z = mid - 1;
+        }
+        const int p = lo + a, j = i - offs[a], slot = count + i;
+        p_score[slot] = p_score[p] + static_cast<double>(row[j]);
+        p_prefix[slot] = static_cast<int16_t>(p);
+        p_rank[slot] = static_cast<int16_t>(j);
+        p_prod[slot] = static_cast<int16_t>((j + 1) * p_prod[p]);
+        p_depth[slot] = static_cast<int8_t>(d);
+      }
+      __syncthreads();  // the new level is visible; offs may be reused
+      lo = count;
+      hi = count + total;
+      count += total;
+      live += total;
+      if (live > budget) tighten(p_score, count, tau, live, budget, sh);
+    }
+    if (!fallback && live > budget) tighten(p_score, count, tau, live, budget, sh);
+    if (!fallback && live > kCandidateFactor * budget) fallback = true;
+
+    if (!fallback) {
+      // Candidates: the live slots. Clear the pool's marks.
+      if (tid == 0) sh.m = 0;
+      __syncthreads();
+      for (int s = tid; s < count; s += kBlock) {
+        p_index[s] = s == 0 ? 0 : -1;
+        has_next[s] = 0;
+        has_child[s] = 0;
+        if (s > 0 && p_score[s] >= tau) {
+          const int at = atomicAdd(&sh.m, 1);
+          if (at < kCandidateFactor * budget) {  // == live <= 4 * budget: always, kept safe
+            c_slot[at] = static_cast<int16_t>(s);
+            c_score[at] = p_score[s];
+          }
+        }
+      }
+      __syncthreads();
+      const int m = min(sh.m, kCandidateFactor * budget);  // sh.m == live
+      n = min(m, budget);
+      // Rank by counting; the first `budget` become nodes 1..n.
+      for (int i = tid; i < m; i += kBlock) {
+        const int s = c_slot[i];
+        const double si = c_score[i];
+        const int pi = p_prefix[s], ri = p_rank[s], di = p_depth[s];
+        int r = 0;
+        for (int j = 0; j < m; ++j) {
+          const double sj = c_score[j];
+          if (sj > si) ++r;
+          else if (sj == si && j != i) {
+            const int t = c_slot[j];
+            r += rank_path_less(p_prefix[t], p_rank[t], p_depth[t], pi, ri, di, p_prefix, p_rank);
+          }
+        }
+        if (r < budget) {
+          p_index[s] = static_cast<int16_t>(r + 1);
+          s_order[r + 1] = static_cast<int16_t>(s);
+        }
+      }
+      __syncthreads();
+      // Verification, part 1: generators in the tree and before; the tree's node arrays.
+      bool bad = false;
+      for (int i = 1 + tid; i <= n; i += kBlock) {
+        const int s = s_order[i];
+        const int gen = p_rank[s] > 0 ? s - 1 : p_prefix[s];  // siblings sit in consecutive slots
+        if (gen != 0) {
+          const int g = p_index[gen];
+          bad |= g < 1 || g >= i;
+          if (p_rank[s] > 0) has_next[gen] = 1;
+          else has_child[gen] = 1;
+        }
+        const int parent = p_index[p_prefix[s]];
+        bad |= parent < 0 || parent >= i;
+        s_parent[i] = static_cast<int16_t>(parent);
+        s_rank[i] = p_rank[s];
+        s_depth[i] = p_depth[s];
+      }
+      __syncthreads();
+      // Part 2: every offer of a tree node that is not in the tree pops after the last node.
+      const int last = s_order[n];
+      const double s_last = p_score[last];
+      for (int i = 1 + tid; i <= n; i += kBlock) {
+        const int g = s_order[i], d = p_depth[g], r = p_rank[g];
+        const Staged* grow = s_lp + (d - 1) * K;
+        if (r + 1 < K && !has_next[g]) {
+          double so = p_score[g] - static_cast<double>(grow[r]);
+          so = so + static_cast<double>(grow[r + 1]);
+          bad |= n < budget || !pool_before(s_last, p_prefix[last], p_rank[last], p_depth[last], so,
+                                            p_prefix[g], r + 1, d, p_prefix, p_rank);
+        }
+        if (d < D && !has_child[g]) {
+          const double so = p_score[g] + static_cast<double>(s_lp[d * K]);
+          bad |= n < budget || !pool_before(s_last, p_prefix[last], p_rank[last], p_depth[last], so,
+                                            g, 0, d + 1, p_prefix, p_rank);
+        }
+      }
+      fallback = __syncthreads_or(bad);
+    }
+  }
+
+  if (tid == 0 && status == kOk) DDTREE_BLOCK_PATH(fallback);
+  if (fallback) {  // block-uniform: the exact sequential loop on warp 0
+    if (tid < kWarp) {
+      n = warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, tid);
+      if (tid == 0) sh.n = n;
+    }
+    __syncthreads();
+    n = sh.n;
+  }
+  write_outputs(in, out, b, n, status, s_parent, s_rank, s_depth, tid, kBlock);
+}
+
+// Block build: pool capacity (slots) for this launch, or 0 when the block kernel does not fit.
+template <typename Staged>
+int block_capacity(int D, int K, int N) {
+  int C = std::min(kMaxPool, std::max(kMinPool, 64 * N));
+  while (C >= kMinPool && BlockShared(D, K, N, C, sizeof(Staged)).bytes > kBlockSharedLimit) C -= 256;
+  return C >= kMinPool ? C : 0;
+}
+
+#ifndef DDTREE_TREE_EMULATION
 __global__ void __launch_bounds__(kWarp) accept_kernel(AcceptArgs in, AcceptOutputs out) {
   extern __shared__ int32_t s_child[];  // [N + 1] first matching child of each node
   __shared__ int32_t s_path[kMaxDepth + 1];
@@ -320,13 +757,39 @@ void launch_build(const BuildArgs& in, const BuildOutputs& out, cudaStream_t str
     launch_build_staged<M, float>(in, out, stream);
 }
 
+template <int M, typename Staged>
+bool launch_block_staged(const BuildArgs& in, const BuildOutputs& out, cudaStream_t stream) {
+  const int C = block_capacity<Staged>(in.depth, in.topk, in.max_budget);
+  if (C == 0) return false;
+  const size_t smem = BlockShared(in.depth, in.topk, in.max_budget, C, sizeof(Staged)).bytes;
+  if (smem > kDefaultSharedLimit)
+    check_cuda(cudaFuncSetAttribute(block_build_kernel<M, Staged>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+               "block build (shared memory opt-in)");
+  block_build_kernel<M, Staged><<<in.batch, kBlock, smem, stream>>>(in, out, C);
+  check_cuda(cudaGetLastError(), "block build");
+  return true;
+}
+
+template <int M>
+bool launch_block(const BuildArgs& in, const BuildOutputs& out, cudaStream_t stream) {
+  if (sizeof(double) * static_cast<size_t>(in.depth) * in.topk <= 64 * 1024)
+    return launch_block_staged<M, double>(in, out, stream);
+  return launch_block_staged<M, float>(in, out, stream);
+}
+
+// Frontier rows of the warp loop: after n pops the frontier holds <= n + 1 candidates, and only
+// positions < budget - n can still pop, so ceil(budget / 2) slots always suffice.
+int frontier_rows(int max_budget) { return ((max_budget + 1) / 2 + kWarp - 1) / kWarp; }
+#endif  // DDTREE_TREE_EMULATION
+
 }  // namespace
 
-void build_trees_cuda(const BuildArgs& in, const BuildOutputs& out, void* stream_handle) {
+#ifndef DDTREE_TREE_EMULATION
+
+void build_trees_cuda_warp(const BuildArgs& in, const BuildOutputs& out, void* stream_handle) {
   auto stream = static_cast<cudaStream_t>(stream_handle);
-  // After n pops the frontier holds <= n + 1 candidates, and only positions < budget - n can
-  // still pop, so ceil(budget / 2) slots always suffice.
-  const int rows = ((in.max_budget + 1) / 2 + kWarp - 1) / kWarp;
+  const int rows = frontier_rows(in.max_budget);
   if (rows <= 1) launch_build<1>(in, out, stream);
   else if (rows <= 2) launch_build<2>(in, out, stream);
   else if (rows <= 3) launch_build<3>(in, out, stream);
@@ -337,10 +800,23 @@ void build_trees_cuda(const BuildArgs& in, const BuildOutputs& out, void* stream
   else launch_build<16>(in, out, stream);
 }
 
+void build_trees_cuda(const BuildArgs& in, const BuildOutputs& out, void* stream_handle) {
+  auto stream = static_cast<cudaStream_t>(stream_handle);
+  // The block kernel's fallback loop uses 32, 128 or 512 frontier slots.
+  const int rows = frontier_rows(in.max_budget);
+  bool launched;
+  if (rows <= 1) launched = launch_block<1>(in, out, stream);
+  else if (rows <= 4) launched = launch_block<4>(in, out, stream);
+  else launched = launch_block<16>(in, out, stream);
+  if (!launched) build_trees_cuda_warp(in, out, stream_handle);
+}
+
 void accept_cuda(const AcceptArgs& in, const AcceptOutputs& out, void* stream_handle) {
   const size_t smem = sizeof(int32_t) * (in.max_budget + 1);
   accept_kernel<<<in.batch, kWarp, smem, static_cast<cudaStream_t>(stream_handle)>>>(in, out);
   check_cuda(cudaGetLastError(), "accept");
 }
+
+#endif  // DDTREE_TREE_EMULATION
 
 }  // namespace ddtree::tree

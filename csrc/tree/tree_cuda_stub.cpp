@@ -8,6 +8,9 @@ namespace ddtree::tree {
 void build_trees_cuda(const BuildArgs&, const BuildOutputs&, void*) {
   throw std::runtime_error("ddtree._C was built without CUDA kernels (no nvcc at build time)");
 }
+void build_trees_cuda_warp(const BuildArgs&, const BuildOutputs&, void*) {
+  throw std::runtime_error("ddtree._C was built without CUDA kernels (no nvcc at build time)");
+}
 void accept_cuda(const AcceptArgs&, const AcceptOutputs&, void*) {
   throw std::runtime_error("ddtree._C was built without CUDA kernels (no nvcc at build time)");
 }

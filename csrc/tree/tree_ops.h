@@ -46,9 +46,12 @@ struct AcceptOutputs {
 void build_trees_cpu(const BuildArgs& in, const BuildOutputs& out, int threads);
 void accept_cpu(const AcceptArgs& in, const AcceptOutputs& out, int threads);
 
-// CUDA: one warp per request on `stream` (a cudaStream_t); asynchronous, no host sync, graph
-// capturable. Throws std::runtime_error when a launch fails.
+// CUDA on `stream` (a cudaStream_t); asynchronous, no host sync, graph capturable. Throws
+// std::runtime_error when a launch fails. build_trees_cuda: one block per request (parallel
+// selection, verified, the warp loop as its fallback; the warp kernel where the block's shared
+// memory does not fit). build_trees_cuda_warp: the one-warp-per-request kernel alone.
 void build_trees_cuda(const BuildArgs& in, const BuildOutputs& out, void* stream);
+void build_trees_cuda_warp(const BuildArgs& in, const BuildOutputs& out, void* stream);
 void accept_cuda(const AcceptArgs& in, const AcceptOutputs& out, void* stream);
 
 }  // namespace ddtree::tree

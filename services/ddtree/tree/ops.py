@@ -2,8 +2,10 @@
 
 - "reference": plain Python heapq (the oracle; slow), any device, results on the input's device.
 - "cpu": C++ in ddtree._C, the batch spread over threads with the GIL released.
-- "cuda": one warp per request on the current stream; no host synchronisation when
-  check=False, so it can be captured in a CUDA graph (then read Trees.status yourself).
+- "cuda": kernels on the current stream; no host synchronisation when check=False, so it can be
+  captured in a CUDA graph (then read Trees.status yourself). The build runs one block per
+  request (parallel selection, verified exactly, the sequential warp loop as its fallback);
+  cuda_kernel="warp" runs the previous one-warp-per-request kernel alone (for comparison).
 "auto" picks "cuda" for CUDA tensors and "cpu" otherwise.
 """
 from __future__ import annotations
@@ -81,12 +83,15 @@ def _launch_cuda(kernel, args, device: torch.device) -> None:
 
 def build_trees(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int | Sequence[int],
                 backend: str = "auto", *, check: bool = True, threads: int | None = None,
-                out: Trees | None = None) -> Trees:
+                out: Trees | None = None, cuda_kernel: str = "block") -> Trees:
     """Best-first draft trees from top-k log-probs [Bt, D, K] (float32, rows descending) and
     token ids [Bt, D, K] (int32/int64), at most `budget` nodes per request (an int, or one per
     request; outputs are padded to the largest). Bad input raises ValueError; with check=False
     on CUDA, value errors are left in Trees.status (per request, 0 = ok) instead.
-    `out`: preallocated outputs to write into (e.g. views of a shared region; cpu/cuda only)."""
+    `out`: preallocated outputs to write into (e.g. views of a shared region; cpu/cuda only).
+    `cuda_kernel`: "block" (default) or "warp" (the previous kernel); same trees either way."""
+    if cuda_kernel not in ("block", "warp"):
+        raise ValueError(f"cuda_kernel must be 'block' or 'warp', got {cuda_kernel!r}")
     budgets = checks.check_build_inputs(top_logprobs, top_ids, budget)
     backend = _resolve_backend(backend, top_logprobs.device)
     batch, depth, topk = top_logprobs.shape
@@ -112,7 +117,8 @@ def build_trees(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int |
     if backend == "cpu":
         C.tree_build_cpu(*args, _threads(threads))
     else:
-        _launch_cuda(C.tree_build_cuda, args, lp.device)
+        kernel = C.tree_build_cuda if cuda_kernel == "block" else C.tree_build_cuda_warp
+        _launch_cuda(kernel, args, lp.device)
     if check or backend == "cpu":
         checks.raise_on_status(out.status)
     return out
