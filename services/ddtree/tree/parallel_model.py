@@ -1,0 +1,186 @@
+"""A plain-Python model of the CUDA block build (`block_build_kernel` in csrc/tree/tree_cuda.cu).
+
+It takes the same steps as the kernel, with the same float64 operations, bins and checks, so
+that the algorithm can be tested against the oracle (ddtree.tree.reference) on a machine
+without a GPU (tests/test_tree_parallel_model.py). It is not used by the backends.
+
+The idea. When every log-prob of a request is a multiple of 2**-q with D * max|lp| <= 2**(53-q)
+("exact inputs": every partial sum is exactly representable), the contract's float64 score of a
+rank path is the exact sum of its log-probs, whatever the operation order. Then:
+
+1. Pool. Level by level (depth d = 1..D), every live parent p (score >= tau) gets the children
+   (p, j) with score(p) + lp[d-1][j] >= tau and (j + 1) * prod(p) <= budget, where prod is the
+   product of (rank + 1) along the path (a node needs all the paths it dominates before it, so
+   a tree of `budget` nodes never holds a larger product). The children of one parent are a
+   prefix of its row (rows descend), written to consecutive slots.
+2. Threshold. tau starts at -inf; whenever more than 2 * budget pool nodes are live (and once at
+   the end, when more than budget are), tau rises to the smallest score among the histogram
+   bins (256 over [min, max] of live scores) that hold the top >= budget live nodes.
+3. Selection. The live nodes are ranked by the contract's total order (score, then rank path)
+   by counting; the first `budget` are the tree, node index = rank + 1.
+4. Verification (a proof that the heap algorithm pops exactly these nodes in this order): every
+   node's generator (elder sibling, or the parent for rank 0) is in the tree and ranks before it;
+   every offer of a tree node (next sibling, first child) that is not in the tree pops after the
+   last tree node; if the tree has fewer than `budget` nodes, no such offer exists.
+Anything else (inexact inputs, pool overflow, too many tied candidates, a failed verification)
+falls back to the exact sequential algorithm (in the kernel: the one-warp loop, run by warp 0).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ddtree.tree import reference
+
+BINS = 256            # histogram bins of one threshold step (= threads of the block)
+TIGHTEN_FACTOR = 1    # tighten when more than TIGHTEN_FACTOR * budget nodes are live
+CANDIDATE_FACTOR = 4  # more than CANDIDATE_FACTOR * budget candidates at the end: fall back
+
+
+def exact_inputs(lp: list[list[float]]) -> bool:
+    """True when every partial sum of log-probs along a path is exactly representable."""
+    depth = len(lp)
+    big = max(abs(v) for row in lp for v in row)
+    if big == 0.0:
+        return True
+    _, e = math.frexp(depth * big)  # depth * big < 2**e (exact: depth <= 32, big a float32)
+    q = 53 - e
+    return all(math.ldexp(v, q) == math.floor(math.ldexp(v, q)) for row in lp for v in row)
+
+
+def _before(sa, pa, ra, da, sb, pb, rb, db, prefix, rank) -> bool:
+    """The contract's order: higher score first, then the smaller rank path (tree_common.h)."""
+    if sa != sb:
+        return sa > sb
+    return _rank_path_less(pa, ra, da, pb, rb, db, prefix, rank)
+
+
+def _rank_path_less(pa, ra, da, pb, rb, db, parent, rank) -> bool:
+    """rank_path_less of tree_common.h, over pool slots."""
+    a_parent, a_rank, b_parent, b_rank = pa, ra, pb, rb
+    for _ in range(da - db):
+        a_rank, a_parent = rank[a_parent], parent[a_parent]
+    for _ in range(db - da):
+        b_rank, b_parent = rank[b_parent], parent[b_parent]
+    if a_parent == b_parent and a_rank == b_rank:
+        return da < db
+    while a_parent != b_parent:
+        a_rank, a_parent = rank[a_parent], parent[a_parent]
+        b_rank, b_parent = rank[b_parent], parent[b_parent]
+    return a_rank < b_rank
+
+
+def _tighten(score, live_slots, budget):
+    """Returns (tau, live slots >= tau): the smallest score of the top bins holding >= budget."""
+    scores = [score[s] for s in live_slots]
+    mn, mx = min(scores), max(scores)
+    if not mx - mn > 0.0:
+        return None
+    scale = BINS / (mx - mn)
+
+    def bin_of(s):
+        t = (s - mn) * scale
+        return BINS - 1 if t >= BINS else int(t)
+
+    hist = [0] * BINS
+    for s in scores:
+        hist[bin_of(s)] += 1
+    suffix, k = 0, BINS - 1
+    for k in range(BINS - 1, -1, -1):
+        suffix += hist[k]
+        if suffix >= budget:
+            break
+    tau = min(s for s in scores if bin_of(s) >= k)
+    return tau, [s for s in live_slots if score[s] >= tau]
+
+
+def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, product_bound: int | None = None):
+    """Returns (ReferenceTree, path) with path in {"fast", "fallback:<why>"}. `capacity`: pool
+    slots; `product_bound` (default: budget) exists to test that the verification catches a pool
+    that misses nodes."""
+    bound = budget if product_bound is None else product_bound
+    lp = np.asarray(logprobs, dtype=np.float32).astype(np.float64).tolist()
+    depth_limit, topk = len(lp), len(lp[0])
+    fallback = lambda why: (reference.build_tree(logprobs, ids, budget), "fallback:" + why)  # noqa: E731
+    if not exact_inputs(lp):
+        return fallback("inexact")
+    # Pool slot 0 is the root.
+    score, prefix, rank, depth, prod = [0.0], [-1], [0], [0], [1]
+    tau = -math.inf
+    live: list[int] = []
+    lo, hi = 0, 1
+    for d in range(1, depth_limit + 1):
+        row = lp[d - 1]
+        parents = [p for p in range(lo, hi) if p == 0 or score[p] >= tau]
+        counts = []
+        for p in parents:
+            base = score[p]
+            limit = min(topk, bound // prod[p])
+            c = 0  # binary search in the kernel: the first j with base + row[j] < tau
+            while c < limit and base + row[c] >= tau:
+                c += 1
+            counts.append(c)
+        total = sum(counts)
+        if len(score) + total > capacity:
+            return fallback("overflow")
+        lo = len(score)
+        for p, c in zip(parents, counts):
+            for j in range(c):
+                score.append(score[p] + row[j])
+                prefix.append(p)
+                rank.append(j)
+                depth.append(d)
+                prod.append((j + 1) * prod[p])
+        hi = len(score)
+        live.extend(range(lo, hi))
+        if total == 0:
+            break
+        if len(live) > TIGHTEN_FACTOR * budget:
+            t = _tighten(score, live, budget)
+            if t is not None:
+                tau, live = t
+    if len(live) > budget:
+        t = _tighten(score, live, budget)
+        if t is not None:
+            tau, live = t
+    m = len(live)
+    if m > CANDIDATE_FACTOR * budget:
+        return fallback("candidates")
+    # Rank by counting.
+    order = {}
+    for i in live:
+        order[i] = sum(_before(score[j], prefix[j], rank[j], depth[j], score[i], prefix[i], rank[i], depth[i],
+                               prefix, rank) for j in live if j != i)
+    n = min(m, budget)
+    index = {0: 0}
+    by_rank = [0] * n
+    for s, r in order.items():
+        if r < budget:
+            index[s] = r + 1
+            by_rank[r] = s
+    # Verification.
+    has_next, has_child = set(), set()
+    for s in by_rank:
+        gen = s - 1 if rank[s] > 0 else prefix[s]
+        if gen != 0 and (gen not in index or index[gen] >= index[s]):
+            return fallback("verify-order")
+        if gen == 0 and not (rank[s] == 0 and depth[s] == 1):
+            return fallback("verify-order")
+        (has_next if rank[s] > 0 else has_child).add(gen)
+    last = by_rank[n - 1]
+    for g in by_rank:
+        d, r = depth[g], rank[g]
+        offers = []
+        if r + 1 < topk and g not in has_next:
+            offers.append(((score[g] - lp[d - 1][r]) + lp[d - 1][r + 1], prefix[g], r + 1, d))
+        if d < depth_limit and g not in has_child:
+            offers.append((score[g] + lp[d][0], g, 0, d + 1))
+        for so, po, ro, do in offers:
+            if n < budget or not _before(score[last], prefix[last], rank[last], depth[last], so, po, ro, do,
+                                         prefix, rank):
+                return fallback("verify-offer")
+    tokens = [int(ids[depth[s] - 1][rank[s]]) for s in by_rank]
+    depths = [depth[s] for s in by_rank]
+    parents = [-1] + [index[prefix[s]] for s in by_rank]
+    return reference.ReferenceTree(tokens, depths, parents), "fast"
