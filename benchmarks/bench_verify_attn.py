@@ -144,6 +144,15 @@ def graph_us(fn, replays: int = 10, pairs: int = 7) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def emit(args, line: str) -> str:
+    """Print a result line and append it to --text at once (a time limit loses nothing printed)."""
+    print(line, flush=True)
+    if getattr(args, "text", None):
+        with open(args.text, "a") as f:
+            f.write(line + "\n")
+    return line
+
+
 def old_config(rows: int, batch: int, max_kv_len: int) -> tuple:
     """The launch config before the fused merge (for side-by-side runs): ~2 programs per SM,
     >= 4 tiles per split, 3 stages, merged by a second launch."""
@@ -198,69 +207,89 @@ def run_decode(args) -> list[str]:
     """Decode shapes: new vs old launch config, eager and graph-replay timing, % of copy bandwidth."""
     work = Workload(64, 32768, 4)
     gen = torch.Generator().manual_seed(2)
-    lines, deadline = [DECODE_HEADER], time.monotonic() + args.seconds
-    print(DECODE_HEADER, flush=True)
+    lines, deadline = [emit(args, DECODE_HEADER)], time.monotonic() + args.seconds
     for batch, nodes, heads, prefix in DECODE_SHAPES:
         if time.monotonic() > deadline:
-            print(f"deadline: skipped decode b={batch} n={nodes} h={heads} p={prefix}", flush=True)
+            lines.append(emit(args, f"deadline: skipped decode b={batch} n={nodes} h={heads} p={prefix}"))
             continue
         try:
             line = decode_row(work, gen, batch, nodes, heads, prefix)
         except Exception as e:  # report, go on with the next shape
             line = f"verify_decode b={batch} n={nodes} h={heads} p={prefix}: failed {type(e).__name__}: {e}"[:400]
-        lines.append(line)
-        print(line, flush=True)
+        lines.append(emit(args, line))
     return lines
 
 
-SWEEP_SHAPES = [(1, 1, 16, 32768), (1, 1, 16, 8192), (1, 1, 8, 1024), (16, 1, 16, 8192), (64, 1, 8, 8192),
-                (16, 4, 16, 8192)]
+SWEEP_SHAPES = [(16, 1, 16, 8192), (1, 1, 16, 32768), (64, 1, 8, 8192), (16, 4, 16, 8192), (1, 1, 16, 8192),
+                (1, 1, 8, 1024)]
+
+
+def sweep_configs(rows: int, batch: int, kv_bound: int, sms: int) -> list[tuple]:
+    """Configs to try, most telling first: the default, the other merge kind, split counts
+    around it (and the old rule's), the other stage count, and for rows > 16 smaller row blocks
+    (BLOCK_M 16/32, mma.sync, no duplicated wgmma score product; the row blocks of one split run
+    side by side, so their KV reads should mostly hit L2)."""
+    import triton
+
+    from ddtree.kernels import launch_config
+    from ddtree.kernels import mla_verify_triton as km
+    new = launch_config(rows, batch, kv_bound, torch.device("cuda"))
+    bm, bn, warps, stages, s_new, merge = new
+    tiles = triton.cdiv(kv_bound, bn)
+    ok = lambda s: s == 1 or s <= tiles // km.MIN_SPLIT_TILES  # noqa: E731
+    kinds = lambda s: ("fused", "separate") if s > 1 else ("none",)  # noqa: E731
+    configs = [new] + [(bm, bn, warps, stages, s_new, m) for m in kinds(s_new)]
+    for s in (max(1, s_new // 2), 2 * s_new, old_config(rows, batch, kv_bound)[4], 1):
+        if ok(s):
+            configs += [(bm, bn, warps, stages, s, m) for m in kinds(s)]
+    if bm == 16:
+        other = 3 if stages != 3 else km.SPLIT_STAGES
+        configs += [(bm, bn, warps, other, s, m) for s in (s_new, 2 * s_new) if ok(s) for m in kinds(s)]
+    for alt in (16, 32):
+        if alt < bm:
+            s = max(1, min(tiles // km.MIN_SPLIT_TILES, 2 * sms // (batch * triton.cdiv(rows, alt))))
+            configs += [(alt, bn, 4, st, s, m) for st in ((km.SPLIT_STAGES, 3) if alt == 16 else (3,)) for m in kinds(s)]
+    seen, unique = set(), []
+    for cfg in configs:
+        if cfg not in seen:
+            seen.add(cfg)
+            unique.append(cfg)
+    return unique
 
 
 def run_sweep(args) -> list[str]:
     """Decode launch configs under graph replay, beside the cost model's estimate."""
     import triton
 
-    from ddtree.kernels import launch_config, mla_verify_attention_triton
+    from ddtree.kernels import mla_verify_attention_triton
     from ddtree.kernels import mla_verify_triton as km
     work = Workload(64, 32768, 4)
     gen = torch.Generator().manual_seed(3)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    lines, deadline = [], time.monotonic() + args.sweep_seconds
+    lines = [emit(args, "# decode launch configs under CUDA-graph replay vs the cost model "
+                        "(kernels.mla_verify_triton._estimate)")]
+    deadline = time.monotonic() + args.sweep_seconds
     for batch, nodes, heads, prefix in SWEEP_SHAPES:
         inputs = work.case(batch, nodes, heads, prefix, gen)
         kv_bound = inputs[3].shape[1] * PAGE
         rows = nodes * heads
-        new = launch_config(rows, batch, kv_bound, torch.device("cuda"))
-        bm, bn, warps, _, s_new, _ = new
-        tiles = triton.cdiv(kv_bound, bn)
-        programs = batch * triton.cdiv(rows, bm)
-        slots = sms * (2 if bm <= 32 else 1)
-        split_set = sorted({s for s in (1, max(1, s_new // 2), s_new, 2 * s_new, old_config(rows, batch, kv_bound)[4])
-                            if s == 1 or s <= tiles // km.MIN_SPLIT_TILES})
-        configs = [new] + [(bm, bn, warps, st, s, m) for s in split_set for m in (("fused", "separate") if s > 1 else ("none",))
-                           for st in ((3, km.SPLIT_STAGES) if bm == 16 else (3,))]
         _, nbytes = counts(batch, nodes, heads, prefix)
-        seen = set()
-        for cfg in configs:
-            if cfg in seen:
-                continue
-            seen.add(cfg)
+        for i, cfg in enumerate(sweep_configs(rows, batch, kv_bound, sms)):
             if time.monotonic() > deadline:
-                lines.append("sweep: deadline")
-                print(lines[-1], flush=True)
+                lines.append(emit(args, "sweep: deadline"))
                 return lines
+            bm, bn = cfg[0], cfg[1]
             try:
                 us = graph_us(lambda: mla_verify_attention_triton(*inputs, 0.05, config=cfg))
             except Exception as e:  # e.g. out of shared memory: report, go on
-                lines.append(f"sweep b={batch} n={nodes} h={heads} p={prefix} {cfg_str(cfg)}: failed {type(e).__name__}: {e}"[:300])
-                print(lines[-1], flush=True)
+                lines.append(emit(args, f"sweep b={batch} n={nodes} h={heads} p={prefix} {cfg_str(cfg)}: "
+                                        f"failed {type(e).__name__}: {e}"[:300]))
                 continue
-            model = 1e6 * km._estimate(cfg[4], cfg[5], programs, slots, tiles, bm, bn, C, R, 2)
-            tag = " (default)" if cfg == new else ""
-            lines.append(f"sweep b={batch:3d} n={nodes:2d} h={heads:2d} p={prefix:6d} {cfg_str(cfg):22s} graph {us:8.1f} us "
-                         f"{nbytes / us / 1e3:6.0f} GB/s  model {model:8.1f} us{tag}")
-            print(lines[-1], flush=True)
+            model = 1e6 * km._estimate(cfg[4], cfg[5], batch * triton.cdiv(rows, bm), sms * (2 if bm <= 32 else 1),
+                                       triton.cdiv(kv_bound, bn), bm, bn, C, R, 2)
+            tag = " (default)" if i == 0 else ""
+            lines.append(emit(args, f"sweep b={batch:3d} n={nodes:2d} h={heads:2d} p={prefix:6d} {cfg_str(cfg):22s} "
+                                    f"graph {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s  model {model:8.1f} us{tag}"))
     return lines
 
 
@@ -408,10 +437,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # Sections in order of importance (a time limit cuts the last): decode table, grid rows, sweep.
     if args.decode:
-        append(f"# {torch.cuda.get_device_properties(0).name}, torch {torch.__version__}, "
-               f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; config = BLOCK_M/BLOCK_N/"
-               "warps/stages/xsplits/merge (fus: one launch, sep: two, non: no split); decode run "
-               f"stops starting shapes after {args.seconds:.0f} s\n" + "\n".join(run_decode(args)) + "\n")
+        emit(args, f"# {torch.cuda.get_device_properties(0).name}, torch {torch.__version__}, "
+                   f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; config = BLOCK_M/BLOCK_N/"
+                   "warps/stages/xsplits/merge (fus: one launch, sep: two, non: no split); decode run "
+                   f"stops starting shapes after {args.seconds:.0f} s")
+        run_decode(args)
     if args.shapes or not (args.decode or args.sweep):
         print(HEADER, flush=True)
         rows = run_grid(args)
@@ -433,8 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.out / "kernels.txt", "a") as f:
                 f.write(text)
     if args.sweep:
-        append("\n# decode launch configs under CUDA-graph replay vs the cost model (kernels.mla_verify_triton._estimate)\n"
-               + "\n".join(run_sweep(args)) + "\n")
+        run_sweep(args)
     return 0
 
 
