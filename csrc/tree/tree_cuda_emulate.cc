@@ -1,0 +1,336 @@
+// Runs the CUDA build kernels of tree_cuda.cu as plain host C++ (one std::thread per CUDA
+// thread, barriers for __syncthreads / __syncwarp, exchange buffers for shuffles and ballots)
+// and compares every output with the C++ backend (tree_cpu.cpp, itself equal to the Python
+// oracle). For machines without a GPU; tests/test_tree_cuda_emulation.py builds and runs it:
+//
+//   g++ -std=c++20 -O1 -pthread -I csrc csrc/tree/tree_cuda_emulate.cc csrc/tree/tree_cpu.cpp
+//   ./a.out CASES SEED          # prints "ok ..." or the first mismatch, exit status 1
+//
+// Not built into the extension (CMake globs *.cpp and *.cu only).
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace emu {
+constexpr int kWarpSize = 32;
+struct Dim {
+  int x;
+};
+thread_local int tid = 0, bid = 0;
+std::atomic<int> path_count[2];  // requests that took the block kernel's fast path / its fallback
+struct Block {
+  int threads = 0;
+  std::unique_ptr<std::barrier<>> block_barrier;
+  std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+  std::vector<uint64_t> exchange;  // one slot per thread
+  std::vector<unsigned char> smem;
+};
+Block* current = nullptr;
+inline Dim thread_idx() { return {tid}; }
+inline Dim block_idx() { return {bid}; }
+inline std::barrier<>& warp_barrier() { return *current->warp_barriers[tid / kWarpSize]; }
+inline unsigned char* dynamic_smem() { return current->smem.data(); }
+
+template <typename T>
+uint64_t to_bits(T v) {
+  uint64_t b = 0;
+  std::memcpy(&b, &v, sizeof(T));
+  return b;
+}
+template <typename T>
+T from_bits(uint64_t b) {
+  T v;
+  std::memcpy(&v, &b, sizeof(T));
+  return v;
+}
+template <typename T>
+T shfl(T v, int src_lane) {
+  const int base = tid / kWarpSize * kWarpSize;
+  current->exchange[tid] = to_bits(v);
+  warp_barrier().arrive_and_wait();
+  const T r = from_bits<T>(current->exchange[base + (src_lane & (kWarpSize - 1))]);
+  warp_barrier().arrive_and_wait();
+  return r;
+}
+inline unsigned ballot(bool p) {
+  const int base = tid / kWarpSize * kWarpSize;
+  current->exchange[tid] = p ? 1 : 0;
+  warp_barrier().arrive_and_wait();
+  unsigned bits = 0;
+  for (int l = 0; l < kWarpSize; ++l)
+    if (current->exchange[base + l]) bits |= 1u << l;
+  warp_barrier().arrive_and_wait();
+  return bits;
+}
+inline int block_reduce(int p, bool want_and) {
+  current->block_barrier->arrive_and_wait();  // the exchange slots are free
+  current->exchange[tid] = p ? 1 : 0;
+  current->block_barrier->arrive_and_wait();
+  bool r = want_and;
+  for (int t = 0; t < current->threads; ++t) r = want_and ? (r && current->exchange[t]) : (r || current->exchange[t]);
+  current->block_barrier->arrive_and_wait();
+  return r ? 1 : 0;
+}
+template <typename T>
+T atomic_add(T* p, T v) {
+  return std::atomic_ref<T>(*p).fetch_add(v);
+}
+template <typename T>
+T atomic_min(T* p, T v) {
+  std::atomic_ref<T> a(*p);
+  T old = a.load();
+  while (v < old && !a.compare_exchange_weak(old, v)) {
+  }
+  return old;
+}
+template <typename T>
+T atomic_max(T* p, T v) {
+  std::atomic_ref<T> a(*p);
+  T old = a.load();
+  while (v > old && !a.compare_exchange_weak(old, v)) {
+  }
+  return old;
+}
+
+// Runs kernel() as grid x threads CUDA threads, one block at a time.
+template <typename F>
+void launch(int grid, int threads, size_t smem_bytes, F kernel) {
+  for (int b = 0; b < grid; ++b) {
+    Block block;
+    block.threads = threads;
+    block.block_barrier = std::make_unique<std::barrier<>>(threads);
+    for (int w = 0; w < threads / kWarpSize; ++w)
+      block.warp_barriers.push_back(std::make_unique<std::barrier<>>(kWarpSize));
+    block.exchange.assign(threads, 0);
+    block.smem.assign(smem_bytes + 64, (b % 2) ? 0xCD : 0x11);  // garbage, as on a GPU
+    current = &block;
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {
+        tid = t;
+        bid = b;
+        kernel();
+      });
+    for (auto& th : pool) th.join();
+    current = nullptr;
+  }
+}
+}  // namespace emu
+
+// The CUDA vocabulary the build kernels use.
+#define DDTREE_TREE_EMULATION 1
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(x)
+#define __shared__ static
+#define DDTREE_DYNAMIC_SMEM(name) unsigned char* name = ::emu::dynamic_smem()
+#define threadIdx (::emu::thread_idx())
+#define DDTREE_BLOCK_PATH(fallback) (::emu::path_count[(fallback) ? 1 : 0] += 1)
+#define blockIdx (::emu::block_idx())
+struct float4 {
+  float x, y, z, w;
+};
+template <typename T>
+inline T __ldg(const T* p) {
+  return *p;
+}
+inline void __syncthreads() { emu::current->block_barrier->arrive_and_wait(); }
+inline int __syncthreads_or(int p) { return emu::block_reduce(p, false); }
+inline int __syncthreads_and(int p) { return emu::block_reduce(p, true); }
+inline void __syncwarp() { emu::warp_barrier().arrive_and_wait(); }
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src) {
+  return emu::shfl(v, src);
+}
+template <typename T>
+inline T __shfl_up_sync(unsigned, T v, unsigned delta) {
+  const int lane = emu::tid % emu::kWarpSize;
+  const T r = emu::shfl(v, lane - static_cast<int>(delta));
+  return lane >= static_cast<int>(delta) ? r : v;
+}
+inline unsigned __ballot_sync(unsigned, bool p) { return emu::ballot(p); }
+inline bool __any_sync(unsigned, bool p) { return emu::ballot(p) != 0; }
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline long long __double_as_longlong(double x) { return emu::from_bits<long long>(emu::to_bits(x)); }
+inline double __longlong_as_double(long long x) { return emu::from_bits<double>(emu::to_bits(x)); }
+inline unsigned __float_as_uint(float x) { return emu::from_bits<unsigned>(emu::to_bits(x)); }
+inline float __uint_as_float(unsigned x) { return emu::from_bits<float>(emu::to_bits(x)); }
+inline int atomicAdd(int* p, int v) { return emu::atomic_add(p, v); }
+inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v) { return emu::atomic_min(p, v); }
+inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v) { return emu::atomic_max(p, v); }
+inline unsigned atomicMax(unsigned* p, unsigned v) { return emu::atomic_max(p, v); }
+using std::floor;
+using std::frexp;
+using std::isfinite;
+using std::ldexp;
+using std::max;
+using std::min;
+
+#include "tree/tree_cuda.cu"
+
+namespace tree = ddtree::tree;
+
+struct Case {
+  int batch, depth, topk, budget;
+  std::vector<float> lp;
+  std::vector<int32_t> ids;
+  std::vector<int32_t> budgets;  // empty: all `budget`
+  std::string kind;
+};
+
+struct Result {
+  std::vector<int32_t> tokens, depths, parents, num_nodes, status;
+  std::vector<uint64_t> mask;
+  explicit Result(const Case& c) {
+    const int N = c.budget, W = (N + 64) / 64;
+    tokens.assign(c.batch * N, 7);
+    depths.assign(c.batch * N, 7);
+    parents.assign(c.batch * (N + 1), 7);
+    num_nodes.assign(c.batch, 7);
+    status.assign(c.batch, 7);
+    mask.assign(static_cast<size_t>(c.batch) * (N + 1) * W, 7);
+  }
+  tree::BuildOutputs outputs() {
+    return {tokens.data(), depths.data(), parents.data(), num_nodes.data(), mask.data(), status.data()};
+  }
+  bool operator==(const Result& o) const {
+    return tokens == o.tokens && depths == o.depths && parents == o.parents && num_nodes == o.num_nodes &&
+           status == o.status && mask == o.mask;
+  }
+};
+
+Case make_case(std::mt19937_64& rng, int index) {
+  const char* kinds[] = {"rand", "rand", "rand", "ties", "zeros", "pos", "tiny", "fewvals", "bad"};
+  Case c;
+  c.kind = kinds[rng() % 9];
+  const int depths[] = {1, 2, 3, 4, 8, 16, 16, 32};
+  const int budgets[] = {1, 2, 5, 16, 33, 64, 64, 100, 256, 257};
+  c.depth = depths[rng() % 8];
+  c.budget = budgets[rng() % 10];
+  if (index % 17 == 0) c.budget = 1024;
+  c.topk = 1 + static_cast<int>(rng() % std::min(c.budget, 64));
+  if (rng() % 3 == 0) c.topk = std::min(c.budget, 1 << (rng() % 9));
+  c.batch = 1 + static_cast<int>(rng() % 3);
+  const int numel = c.depth * c.topk;
+  c.lp.resize(static_cast<size_t>(c.batch) * numel);
+  c.ids.resize(c.lp.size());
+  std::normal_distribution<double> normal;
+  const double temps[] = {0.3, 1.0, 3.0};
+  const double temp = temps[rng() % 3];
+  const float few[] = {0.0f, -0.1f, -0.25f, -0.3f, -0.7f, -1.0f};
+  for (int b = 0; b < c.batch; ++b)
+    for (int d = 0; d < c.depth; ++d) {
+      float* row = c.lp.data() + (static_cast<size_t>(b) * c.depth + d) * c.topk;
+      const int vocab = std::max(c.topk, 64);
+      std::vector<double> logits(vocab);
+      double mx = -1e300;
+      for (auto& x : logits) {
+        x = normal(rng) * 3.0 / temp;
+        mx = std::max(mx, x);
+      }
+      double z = 0;
+      for (double x : logits) z += std::exp(x - mx);
+      std::vector<float> v(vocab);
+      for (int j = 0; j < vocab; ++j) v[j] = static_cast<float>(logits[j] - mx - std::log(z));
+      if (c.kind == "ties" || c.kind == "fewvals")
+        for (auto& x : v) x = few[rng() % (c.kind == "ties" ? 6 : 3)];
+      std::sort(v.begin(), v.end(), std::greater<float>());
+      for (int j = 0; j < c.topk; ++j) row[j] = v[j];
+      if (c.kind == "zeros")
+        for (int j = 0; j < 1 + static_cast<int>(rng() % c.topk); ++j) row[j] = 0.0f;
+      if (c.kind == "pos")
+        for (int j = 0; j < c.topk; ++j) row[j] += 0.5f;
+      if (c.kind == "tiny") row[0] = -1e-9f;
+      for (int j = 0; j < c.topk; ++j)
+        c.ids[(static_cast<size_t>(b) * c.depth + d) * c.topk + j] = static_cast<int32_t>((rng() % 50021));
+    }
+  if (c.kind == "bad") {  // one request with a NaN, one out of order, one bad budget
+    c.lp[rng() % c.lp.size()] = (rng() % 2) ? NAN : INFINITY;
+    if (c.batch > 1 && c.topk > 1) std::swap(c.lp[numel], c.lp[numel + 1]);
+  }
+  if (rng() % 4 == 0) {
+    c.budgets.resize(c.batch);
+    for (auto& x : c.budgets) x = 1 + static_cast<int>(rng() % c.budget);
+    c.budgets[0] = c.budget;
+    if (c.kind == "bad") c.budgets[c.batch - 1] = 0;
+  }
+  return c;
+}
+
+tree::BuildArgs args_of(const Case& c) {
+  return {c.lp.data(), c.ids.data(), c.budgets.empty() ? nullptr : c.budgets.data(), c.batch, c.depth,
+          c.topk, c.budget};
+}
+
+template <int M, typename Staged>
+void run_block(const Case& c, Result& r, int capacity) {
+  const auto in = args_of(c);
+  const auto out = r.outputs();
+  const size_t smem = tree::BlockShared(c.depth, c.topk, c.budget, capacity, sizeof(Staged)).bytes;
+  emu::launch(c.batch, tree::kBlock, smem, [&] { tree::block_build_kernel<M, Staged>(in, out, capacity); });
+}
+
+template <int M>
+void run_warp(const Case& c, Result& r) {
+  const auto in = args_of(c);
+  const auto out = r.outputs();
+  const size_t smem = tree::BuildShared(c.depth, c.topk, c.budget, sizeof(double)).bytes;
+  emu::launch(c.batch, tree::kWarp, smem, [&] { tree::build_kernel<M, double>(in, out); });
+}
+
+int main(int argc, char** argv) {
+  const int cases = argc > 1 ? std::atoi(argv[1]) : 50;
+  const unsigned seed = argc > 2 ? std::atoi(argv[2]) : 1;
+  std::mt19937_64 rng(seed);
+  int checked = 0;
+  for (int i = 0; i < cases; ++i) {
+    const Case c = make_case(rng, i);
+    Result want(c), block(c);
+    tree::build_trees_cpu(args_of(c), want.outputs(), 1);
+    const int rows = ((c.budget + 1) / 2 + 31) / 32;
+    const bool as_float = i % 5 == 4;  // also the float-staged variant
+    // The launch's capacity, or a small one now and then to exercise the overflow fallback.
+    int capacity = as_float ? tree::block_capacity<float>(c.depth, c.topk, c.budget)
+                            : tree::block_capacity<double>(c.depth, c.topk, c.budget);
+    if (capacity == 0) continue;
+    if (i % 7 == 3) capacity = std::min(capacity, 64 + static_cast<int>(rng() % 512));
+    if (rows <= 1) as_float ? run_block<1, float>(c, block, capacity) : run_block<1, double>(c, block, capacity);
+    else if (rows <= 4) as_float ? run_block<4, float>(c, block, capacity) : run_block<4, double>(c, block, capacity);
+    else as_float ? run_block<16, float>(c, block, capacity) : run_block<16, double>(c, block, capacity);
+    if (!(block == want)) {
+      std::printf("MISMATCH case %d kind %s batch %d D %d K %d budget %d capacity %d\n", i, c.kind.c_str(), c.batch,
+                  c.depth, c.topk, c.budget, capacity);
+      for (int b = 0; b < c.batch; ++b)
+        std::printf("  request %d: nodes %d/%d status %d/%d\n", b, block.num_nodes[b], want.num_nodes[b],
+                    block.status[b], want.status[b]);
+      return 1;
+    }
+    if (i % 10 == 0 && c.budget <= 256) {  // the refactored warp kernel too
+      Result warp(c);
+      if (rows <= 1) run_warp<1>(c, warp);
+      else if (rows <= 4) run_warp<4>(c, warp);
+      else run_warp<16>(c, warp);
+      if (!(warp == want)) {
+        std::printf("MISMATCH (warp kernel) case %d kind %s\n", i, c.kind.c_str());
+        return 1;
+      }
+    }
+    checked += c.batch;
+  }
+  std::printf("ok %d cases, %d trees; block kernel: %d fast, %d fallback\n", cases, checked,
+              emu::path_count[0].load(), emu::path_count[1].load());
+  return 0;
+}
