@@ -1,7 +1,11 @@
 """Tree build and accept benchmarks (issue 4). One run writes, under --out:
 
 kernels.txt                device time (CUDA events, median) of the cuda build and accept kernels
-                           for batch {1,8,32,64,128} x budget {16,64,256,1024}, D = 16, K = budget.
+                           for batch {1,8,32,64,128} x budget {16,64,256,1024}, D = 16, K = budget;
+                           the build both as the block kernel (the default) and as the previous
+                           one-warp kernel (cuda_kernel="warp"), with their ratio, in the same run.
+selfcheck.txt              the block kernel against the cpu backend (= the oracle) on ~10k random,
+                           tie-heavy and adversarial trees: PASS or FAIL with the first mismatch.
 tree_build_vs_sglang.txt   side by side in the same run, wall time per batch (median):
                            (a) the SGLang-style path: per request, top-k copied to the host, the
                                Python heapq build, a numpy visibility matrix, results copied back
@@ -14,6 +18,7 @@ tree_build_vs_sglang.txt   side by side in the same run, wall time per batch (me
 
     python benchmarks/bench_tree.py --out benchmarks/results/h200
     python benchmarks/bench_tree.py --smoke     # small workload, e.g. under compute-sanitizer
+    python benchmarks/bench_tree.py --quick --out DIR   # fewer sizes and repetitions (~1 min)
 """
 from __future__ import annotations
 
@@ -142,40 +147,102 @@ def cuda_backend_build(lp_gpu: torch.Tensor, ids_gpu: torch.Tensor, budget: int)
     return trees
 
 
+FIELDS = ("tokens", "depths", "parents", "num_nodes", "mask", "status")
+
+
+def trees_equal(a, b) -> bool:
+    return all(torch.equal(getattr(a, f).cpu().view(torch.int64) if f == "mask" else getattr(a, f).cpu(),
+                           getattr(b, f).cpu().view(torch.int64) if f == "mask" else getattr(b, f).cpu())
+               for f in FIELDS)
+
+
+def adversarial(lp: torch.Tensor, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """Variants of drafter-like log-probs that stress ties, order and float64 rounding."""
+    if kind == "zeros":  # leading zeros: children tie with their parents
+        lp = lp.clone()
+        lp[..., : max(1, lp.shape[-1] // 4)] = 0.0
+    elif kind == "positive":  # children beat their parents: scores are not monotone
+        lp = lp + 0.5
+    elif kind == "tiny":  # a tiny top log-prob: sums round in float64
+        lp = lp.clone()
+        lp[..., 0] = -1e-9
+    elif kind == "huge":
+        lp = lp * 1e6
+    elif kind == "quarters":  # many exact ties
+        lp = torch.round(lp * 4) / 4
+    return lp.sort(dim=-1, descending=True).values.float().contiguous()
+
+
+def run_selfcheck(trees_wanted: int) -> tuple[bool, list[str]]:
+    """The block kernel (cuda backend default) against the cpu backend on many trees."""
+    shapes = [(512, 16, 64, 64), (512, 16, 256, 256), (256, 16, 16, 64), (512, 8, 8, 100), (128, 24, 128, 500),
+              (64, 16, 1024, 1024), (512, 1, 1, 1), (512, 3, 2, 7), (512, 32, 32, 300), (256, 4, 64, 1024)]
+    kinds = ("random", "ties", "zeros", "positive", "tiny", "huge", "quarters")
+    gen = torch.Generator().manual_seed(4)
+    checked, bad, i = 0, [], 0
+    t0 = time.perf_counter()
+    while checked < trees_wanted:
+        batch, depth, topk, budget = shapes[i % len(shapes)]
+        kind = kinds[(i // len(shapes)) % len(kinds)]
+        lp, ids = random_topk(batch, depth, topk, ties=kind == "ties", temperature=0.5 + (i % 4), generator=gen)
+        lp = adversarial(lp, kind, gen)
+        budgets = budget if i % 3 else torch.randint(1, budget + 1, (batch,), generator=gen).tolist()
+        want = build_trees(lp, ids, budgets, "cpu")
+        got = build_trees(lp.cuda(), ids.cuda(), budgets, "cuda")
+        if not trees_equal(got, want):
+            bad.append(f"shape {(batch, depth, topk, budget)} kind {kind} per-request budgets {i % 3 == 0}")
+        checked += batch
+        i += 1
+    torch.cuda.synchronize()
+    verdict = "PASS" if not bad else "FAIL"
+    lines = [f"selfcheck: block kernel vs cpu backend: {verdict}: {checked} trees in {i} batches, "
+             f"{time.perf_counter() - t0:.1f} s"] + [f"  mismatch: {b}" for b in bad[:20]]
+    for line in lines:
+        print(line, flush=True)
+    return not bad, lines
+
+
 def header(title: str, command: str) -> list[str]:
     props = torch.cuda.get_device_properties(0)
     return [title, f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}",
             f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}", f"command: {command}", ""]
 
 
-def run_kernels(reps: int, command: str) -> list[str]:
-    lines = header(f"Tree build / accept kernels, D = {DEPTH}, K = budget, one warp per request; median of "
-                   f"{reps} calls, microseconds", command)
+def run_kernels(reps: int, command: str, batches=BATCHES, budgets=BUDGETS) -> list[str]:
+    lines = header(f"Tree build / accept kernels, D = {DEPTH}, K = budget; median of {reps} calls, microseconds",
+                   command)
+    lines.append("build: the block kernel (one block of 256 threads per request, the default);")
+    lines.append("build_warp: the previous kernel (one warp per request), same inputs, same run; x = build_warp/build")
     lines.append("build/accept: kernel execution time from CUDA activity records (CUPTI, torch.profiler);")
     lines.append("*_ev: one CUDA event pair around each call (after a spin kernel hides the host overhead),")
     lines.append("      i.e. kernel + launch gap as a stream sees it")
     lines.append("")
-    lines.append(f"{'batch':>6} {'budget':>7} {'build':>9} {'accept':>9} {'build_ev':>9} {'accept_ev':>10} "
-                 f"{'nodes/tree':>11}")
-    for budget in BUDGETS:
-        for batch in BATCHES:
+    lines.append(f"{'batch':>6} {'budget':>7} {'build':>9} {'build_warp':>11} {'x':>6} {'accept':>9} "
+                 f"{'build_ev':>9} {'accept_ev':>10} {'nodes/tree':>11} {'same':>5}")
+    for budget in budgets:
+        for batch in batches:
             lp, ids = inputs(batch, budget)
             trees = build_trees(lp, ids, budget, "cuda")
-            post = deepest_posterior(build_trees(lp.cpu(), ids.cpu(), budget, "cpu")).cuda()
+            cpu_trees = build_trees(lp.cpu(), ids.cpu(), budget, "cpu")
+            same = trees_equal(trees, cpu_trees) and trees_equal(
+                build_trees(lp, ids, budget, "cuda", cuda_kernel="warp"), cpu_trees)
+            post = deepest_posterior(cpu_trees).cuda()
             build_call = lambda: build_trees(lp, ids, budget, "cuda", check=False)  # noqa: E731
+            warp_call = lambda: build_trees(lp, ids, budget, "cuda", check=False, cuda_kernel="warp")  # noqa: E731
             accept_call = lambda: accept(trees, post, "cuda", check=False)  # noqa: E731
-            build = kernel_us(build_call, reps, "build_kernel")
+            build = kernel_us(build_call, reps, "block_build_kernel")
+            build_warp = kernel_us(warp_call, max(20, reps // 4) if budget >= 1024 else reps, "build_kernel")
             acc = kernel_us(accept_call, reps, "accept_kernel")
             build_ev = device_us(build_call, reps)
             acc_ev = device_us(accept_call, reps)
             nodes = float(trees.num_nodes.float().mean())
-            lines.append(f"{batch:>6} {budget:>7} {build:>9.2f} {acc:>9.2f} {build_ev:>9.2f} {acc_ev:>10.2f} "
-                         f"{nodes:>11.1f}")
+            lines.append(f"{batch:>6} {budget:>7} {build:>9.2f} {build_warp:>11.2f} {build_warp / build:>6.1f} "
+                         f"{acc:>9.2f} {build_ev:>9.2f} {acc_ev:>10.2f} {nodes:>11.1f} {'yes' if same else 'NO':>5}")
             print(lines[-1], flush=True)
     return lines
 
 
-def run_vs_sglang(command: str, budget_s: float) -> list[str]:
+def run_vs_sglang(command: str, budget_s: float, batches=BATCHES, budgets=BUDGETS) -> list[str]:
     lines = header("Tree build: SGLang-style CPU path (a) vs cpu backend (b) vs cuda backend (c); "
                    f"D = {DEPTH}, K = budget; wall time per batch (median), microseconds", command)
     lines.append("(a) per request: top-k .cpu(), Python heapq build, numpy visibility matrix, tensors back "
@@ -185,8 +252,8 @@ def run_vs_sglang(command: str, budget_s: float) -> list[str]:
     lines.append("")
     lines.append(f"{'batch':>6} {'budget':>7} {'a_us':>12} {'b_us':>10} {'c_us':>8} {'c_dev_us':>9} "
                  f"{'a/c':>9} {'b/c':>7} {'a/c_dev':>9}")
-    for budget in BUDGETS:
-        for batch in BATCHES:
+    for budget in budgets:
+        for batch in batches:
             lp, ids = inputs(batch, budget, seed=1)
             t0 = time.perf_counter()
             sglang_style_build(lp, ids, budget)
@@ -195,7 +262,7 @@ def run_vs_sglang(command: str, budget_s: float) -> list[str]:
             a = wall_us(lambda: sglang_style_build(lp, ids, budget), reps_a, warmup=0)
             b = wall_us(lambda: cpu_backend_build(lp, ids, budget), 20)
             c = wall_us(lambda: cuda_backend_build(lp, ids, budget), 200, warmup=10)
-            c_dev = kernel_us(lambda: build_trees(lp, ids, budget, "cuda", check=False), 200, "build_kernel")
+            c_dev = kernel_us(lambda: build_trees(lp, ids, budget, "cuda", check=False), 200, "block_build_kernel")
             lines.append(f"{batch:>6} {budget:>7} {a:>12.1f} {b:>10.1f} {c:>8.1f} {c_dev:>9.2f} "
                          f"{a / c:>9.0f} {b / c:>7.1f} {a / c_dev:>9.0f}")
             print(lines[-1], flush=True)
@@ -210,6 +277,7 @@ def run_smoke() -> None:
             lp, ids = random_topk(batch, depth, topk, ties=ties, generator=torch.Generator().manual_seed(budget))
             want = build_trees(lp, ids, budget, "cpu")
             got = build_trees(lp.cuda(), ids.cuda(), budget, "cuda")
+            assert trees_equal(build_trees(lp.cuda(), ids.cuda(), budget, "cuda", cuda_kernel="warp"), want)
             post = deepest_posterior(want)
             acc = accept(got, post.cuda(), "cuda")
             assert torch.equal(got.parents.cpu(), want.parents) and torch.equal(got.tokens.cpu(), want.tokens)
@@ -226,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sglang-seconds", type=float, default=1.5,
                         help="rough time budget per (a) measurement; sets its repetitions (3..15)")
     parser.add_argument("--smoke", action="store_true", help="only a small checked workload")
+    parser.add_argument("--quick", action="store_true",
+                        help="batches 1/64/128 only, --reps 200, a shorter (a) path; still writes every file")
+    parser.add_argument("--selfcheck-trees", type=int, default=10240, help="trees in selfcheck.txt")
     parser.add_argument("--profile", type=int, nargs=2, metavar=("BATCH", "BUDGET"),
                         help="only 20 builds and accepts of one size (for a profiler)")
     args = parser.parse_args(argv)
@@ -247,9 +318,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command = "python benchmarks/bench_tree.py " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kernels.txt").write_text("\n".join(run_kernels(args.reps, command)) + "\n")
-    (args.out / "tree_build_vs_sglang.txt").write_text("\n".join(run_vs_sglang(command, args.sglang_seconds)) + "\n")
-    return 0
+    passed, check = run_selfcheck(args.selfcheck_trees)
+    (args.out / "selfcheck.txt").write_text("\n".join(check) + "\n")
+    batches = (1, 64, 128) if args.quick else BATCHES
+    reps = min(args.reps, 200) if args.quick else args.reps
+    sglang_s = min(args.sglang_seconds, 0.5) if args.quick else args.sglang_seconds
+    (args.out / "kernels.txt").write_text("\n".join(run_kernels(reps, command, batches)) + "\n")
+    (args.out / "tree_build_vs_sglang.txt").write_text(
+        "\n".join(run_vs_sglang(command, sglang_s, batches)) + "\n")
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
