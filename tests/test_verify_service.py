@@ -116,9 +116,10 @@ def verify(models, tmp_path_factory):
     svc = Service("verify", ["--target", str(target), "--drafter", str(drafter), "--port", "0",
                                          "--max-running", "1", "--max-queue", "1", "--max-tokens-limit", "4000",
                                          "--max-context", "4096", "--max-budget", "32", "--num-pages", "4096",
-                                         "--page-size", "8"],
+                                         "--page-size", "8", "--warmup", "on"],  # warm-up: harmless, logged
                   env, "verify")
     yield svc.wait_ready()
+    assert "warm-up: 3 requests" in svc.log(), svc.log()  # modes x batch sizes {1}
     svc.stop()
     assert svc.proc.returncode == 0, svc.log()
     check_spans(trace_file)
@@ -136,7 +137,10 @@ def check_spans(path: Path) -> None:
             "ddtree.accept", "ddtree.commit"} <= names, names
     for sp in spans:
         parent = by_id.get(sp.get("parentSpanId", ""), {}).get("name")
-        if sp["name"] == "ddtree.request":
+        attrs = {a["key"]: a["value"].get("stringValue") for a in sp["attributes"]}
+        if sp["name"] == "ddtree.request" and str(attrs.get("ddtree.request.id")).startswith("warmup-"):
+            assert parent is None  # the start-up warm-up's own requests: roots, before any RPC
+        elif sp["name"] == "ddtree.request":
             assert parent == "ddtree.v1.Generation/Generate"
             keys = {a["key"] for a in sp["attributes"]}
             assert {"gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens", "ddtree.request.mode_used"} <= keys

@@ -62,6 +62,10 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-top-k", type=int, default=64, help="K of the drafter's top-k (capped by the budget)")
     s.add_argument("--prefill-tokens-per-step", type=int, default=8192,
                    help="prompt tokens prefilled between two decode steps (at least one prompt)")
+    s.add_argument("--warmup", choices=("auto", "on", "off"), default="auto",
+                   help="before reporting SERVING, decode a few synthetic requests at every batch size and mode "
+                        "so one-time costs (kernel JIT, library heuristics) are not paid by live requests "
+                        "(auto: on for a GPU, off on CPU)")
     s.add_argument("--reattach-after-s", type=float, default=5.0,
                    help="a failed drafter/sidecar is bypassed this long before it is tried again")
 
@@ -166,6 +170,13 @@ def serve(args, provider, log: logging.Logger) -> int:
                GenerationServicer(engine, drafter_name=drafter_name, block_size=block_size), "ddtree.v1.Generation")
     port = server.start()
     engine.start()
+    if args.warmup == "on" or (args.warmup == "auto" and device.startswith("cuda")):
+        from ddtree.engine.warmup import warm_up
+
+        report = warm_up(engine)
+        log.info("warm-up: %d requests in %.1f s%s", report.requests, report.seconds,
+                 f"; errors: {'; '.join(report.errors)}" if report.errors else "",
+                 extra={"warmup_s": round(report.seconds, 3), "warmup_errors": len(report.errors)})
     server.install_signal_handlers()  # in-flight streams get the grace period, then the engine stops
     server.set_serving(True)
     log.info("verify serving on %s:%d: target %s (tp %d), modes %s", args.host, port, target.name, target.tp_size,
