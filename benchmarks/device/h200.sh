@@ -4,7 +4,8 @@
 #   bash benchmarks/device/h200.sh PART [PART...]      # parts: benchmarks/device/parts/PART.sh
 # Each part writes its files under $RESULTS/PART/. After every part, $RESULTS is packed into
 # $OUT/results.tar (the device returns at most 8 files), so a call cut at its time limit still
-# returns what the finished parts wrote. Parts see REPO_COMMIT and DEVICE_NAME.
+# returns what the finished parts wrote. Parts see REPO_COMMIT and DEVICE_NAME. TIMEOUT_<part>=S
+# caps one part's wall time (e.g. TIMEOUT_attention=90 for a short call).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
@@ -20,7 +21,8 @@ for part in "$@"; do
   t=$SECONDS
   mkdir -p "$RESULTS/$part"
   echo "=== $part"
-  bash "benchmarks/device/parts/$part.sh" 2>&1 | tee "$RESULTS/$part/console.txt"
+  limit_var="TIMEOUT_$part"
+  timeout "${!limit_var:-3600}" bash "benchmarks/device/parts/$part.sh" 2>&1 | tee "$RESULTS/$part/console.txt"
   echo "=== $part: exit ${PIPESTATUS[0]} after $((SECONDS - t)) s"
   tar -C "$RESULTS" -cf "$OUT/results.tar" .
 done
