@@ -487,6 +487,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
     s_parent[0] = -1;  // the root, for either path
     s_rank[0] = 0;
     s_depth[0] = 0;
+    s_order[0] = 0;    // pool slot of node 0 (read as `last` only when n = 0: then fall back)
   }
   __syncthreads();
   bool nonfinite = false, unordered = false;
@@ -635,7 +636,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       }
       __syncthreads();
       // Verification, part 1: generators in the tree and before; the tree's node arrays.
-      bool bad = false;
+      bool bad = n < 1;  // never on exact inputs (level 1 always adds (0)); kept safe
       for (int i = 1 + tid; i <= n; i += kBlock) {
         const int s = s_order[i];
         const int gen = p_rank[s] > 0 ? s - 1 : p_prefix[s];  // siblings sit in consecutive slots
