@@ -382,7 +382,7 @@ def resources() -> None:
     names = _verify_fwd.arg_names
     aligned = {"QLat", "QRope", "Cache", "Table", "Prefix", "Mask", "Out", "Lse", "OPart", "LsePart", "Counter",
                "stride_qlr", "stride_qlh",
-               "stride_qrr", "stride_qrh", "stride_cp", "stride_cr", "stride_or", "stride_oh", "stride_lr"}
+               "stride_qrr", "stride_qrh", "stride_cp", "stride_cr", "stride_or", "stride_oh"}  # as at launch
     for bm, bn, warps, stages, partial, fused in [
             (64, 32, 8, 3, False, False), (64, 32, 8, 3, True, True), (16, 32, 4, 3, True, False),
             (16, 32, 4, 3, True, True), (16, 32, 4, 5, True, True), (16, 16, 4, 6, True, True),

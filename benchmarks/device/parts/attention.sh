@@ -9,7 +9,7 @@ t=tests/test_verify_attn.py
 # GPU tests, fused merge first (real atomics), then the decode (1 row) and chain (8 rows) shape
 # cases (h 8: 64 rows, the BLOCK_M 64 split path) of the issue grid; the tree cases, the chain
 # cases at h 16 (128 rows: the unchanged path) and the CPU-covered bad-input tests are left out.
-timeout 55 python3 -m pytest -v -rs -p no:cacheprovider --durations=5 \
+timeout 60 python3 -m pytest -v -rs -p no:cacheprovider --durations=5 \
   $t::test_fused_merge_matches_separate_merge $t::test_fused_merge_counters_reset_across_calls \
   $t::test_row_that_sees_nothing_gives_zero_and_minus_inf $t::test_launch_config_one_wave_one_row_block \
   $t::test_matches_float64_reference $t::test_split_counts_and_tiles_agree_with_reference \

@@ -26,9 +26,14 @@ import triton.language as tl
 from .validate import check_verify_inputs, check_verify_values
 
 _LOG2E = 1.4426950408889634
+# Scalars that vary from call to call but do not shape the code's vector accesses (those are
+# the cache, query and output strides, kept specialized): one compiled variant serves every
+# batch, tail length, head count, table width and split count, instead of one per value class
+# (== 1, divisible by 16) of each.
+_NO_SPECIALIZE = ["T", "H", "W", "max_pages", "num_pages", "num_splits", "stride_ls", "stride_tb", "stride_lr"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _verify_fwd(
     QLat, QRope, Cache, Table, Prefix, Mask, Out, Lse, OPart, LsePart, Counter,
     stride_qlr, stride_qlh, stride_qrr, stride_qrh,
@@ -182,7 +187,7 @@ def _merge_rows(OPart, LsePart, Out, Lse, prow, row_ok, qrow, head, n_rows, num_
         tl.store(out_row[:, None] + cc[None, :], acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "H", "num_splits", "stride_lr"])
 def _merge_splits(OPart, LsePart, Out, Lse, n_rows, H, num_splits, stride_or, stride_oh, stride_lr,
                   C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """Program (row*head, column block): out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s.
