@@ -166,7 +166,7 @@ def old_config(rows: int, batch: int, max_kv_len: int) -> tuple:
 
 def cfg_str(cfg: tuple) -> str:
     bm, bn, warps, stages, splits, merge = cfg
-    return f"{bm}/{bn}/{warps}w/{stages}s/x{splits}/{merge[:3]}"
+    return f"{bm}/{bn}/{warps}w/{stages}s/x{splits}/{merge[:3]}"  # fus, sep, pdl, non
 
 
 DECODE_SHAPES = [(b, n, h, p) for n, h in ((1, 16), (1, 8), (4, 16)) for b in (1, 16, 64)
@@ -225,7 +225,8 @@ SWEEP_SHAPES = [(16, 1, 16, 8192), (1, 1, 16, 32768), (64, 1, 8, 8192), (16, 4, 
 
 
 def sweep_configs(rows: int, batch: int, kv_bound: int, sms: int) -> list[tuple]:
-    """Configs to try, most telling first: the default, the other merge kind, split counts
+    """Configs to try, most telling first: the default, the other merge kinds (pdl: the separate
+    merge as a programmatic dependent launch), split counts
     around it (and the old rule's), the other stage count, and for rows > 16 smaller row blocks
     (BLOCK_M 16/32, mma.sync, no duplicated wgmma score product; the row blocks of one split run
     side by side, so their KV reads should mostly hit L2)."""
@@ -238,7 +239,7 @@ def sweep_configs(rows: int, batch: int, kv_bound: int, sms: int) -> list[tuple]
     tiles = triton.cdiv(kv_bound, bn)
     ok = lambda s: s == 1 or s <= tiles // km.MIN_SPLIT_TILES  # noqa: E731
     kinds = lambda s: ("fused", "separate") if s > 1 else ("none",)  # noqa: E731
-    configs = [new] + [(bm, bn, warps, stages, s_new, m) for m in kinds(s_new)]
+    configs = [new] + [(bm, bn, warps, stages, s_new, m) for m in kinds(s_new) + (("pdl",) if s_new > 1 else ())]
     for s in (max(1, s_new // 2), 2 * s_new, old_config(rows, batch, kv_bound)[4], 1):
         if ok(s):
             configs += [(bm, bn, warps, stages, s, m) for m in kinds(s)]
@@ -439,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode:
         emit(args, f"# {torch.cuda.get_device_properties(0).name}, torch {torch.__version__}, "
                    f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; config = BLOCK_M/BLOCK_N/"
-                   "warps/stages/xsplits/merge (fus: one launch, sep: two, non: no split); decode run "
+                   "warps/stages/xsplits/merge (fus: one launch, sep: two, pdl: two with PDL, non: no split); decode run "
                    f"stops starting shapes after {args.seconds:.0f} s")
         run_decode(args)
     if args.shapes or not (args.decode or args.sweep):

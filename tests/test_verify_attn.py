@@ -133,9 +133,11 @@ def test_matches_float64_reference(tail, heads, prefixes, page_size, kind):
 
 
 @pytest.mark.parametrize("config", [(16, 16, 4, 1, 1), (16, 16, 4, 1, 4), (32, 32, 4, 2, 8), (16, 16, 4, 1, 40),
-                                    (16, 16, 4, 1, 12, "separate"), (16, 32, 4, 5, 4, "fused")])
+                                    (16, 16, 4, 1, 12, "separate"), (16, 32, 4, 5, 4, "fused"),
+                                    (16, 32, 4, 5, 4, "pdl")])
 def test_split_counts_and_tiles_agree_with_reference(config):
-    """Splits beyond the tiles a request has (empty splits) and tiles across page boundaries."""
+    """Splits beyond the tiles a request has (empty splits) and tiles across page boundaries; the
+    merge kinds ("pdl": a programmatic dependent launch on CUDA, the separate merge elsewhere)."""
     gen = torch.Generator().manual_seed(7)
     mask = tree_mask(2, 12, gen)
     inputs = make_inputs([40, 3], 13, 2, 16, mask, gen)

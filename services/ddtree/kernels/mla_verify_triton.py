@@ -22,6 +22,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .validate import check_verify_inputs, check_verify_values
 
@@ -41,8 +42,10 @@ def _verify_fwd(
     stride_or, stride_oh, stride_lr, stride_ls,
     T, H, W, page_size, max_pages, num_pages, scale_log2, num_splits,
     C: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PARTIAL: tl.constexpr, FUSED_MERGE: tl.constexpr, TAIL_MASK: tl.constexpr,
+    PARTIAL: tl.constexpr, FUSED_MERGE: tl.constexpr, TAIL_MASK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # merge "pdl": the merge kernel may launch once every split program is running
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -189,9 +192,12 @@ def _merge_rows(OPart, LsePart, Out, Lse, prow, row_ok, qrow, head, n_rows, num_
 
 @triton.jit(do_not_specialize=["n_rows", "H", "num_splits", "stride_lr"])
 def _merge_splits(OPart, LsePart, Out, Lse, n_rows, H, num_splits, stride_or, stride_oh, stride_lr,
-                  C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+                  C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row*head, column block): out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s.
-    Splits are read BLOCK_S at a time, so many loads are in flight even with few rows."""
+    Splits are read BLOCK_S at a time, so many loads are in flight even with few rows.
+    PDL: launched as a programmatic dependent of the split kernel; wait for all its writes."""
+    if PDL:
+        gdc_wait()
     r = tl.program_id(0).to(tl.int64)
     cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ss = tl.arange(0, BLOCK_S)
@@ -229,7 +235,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-MERGES = ("none", "fused", "separate")
+MERGES = ("none", "fused", "separate", "pdl")  # pdl: separate, the merge a programmatic dependent launch
 MIN_SPLIT_TILES = 4  # a split reads at least this many KV tiles
 SPLIT_WAVES = 2      # rows > 64 only (the earlier rule): split until about this many programs per SM
 SPLIT_STAGES = 5     # BLOCK_M 16: two KV tiles in flight per program (102 KB shared, 2 programs/SM)
@@ -339,7 +345,8 @@ def mla_verify_attention_triton(
 
     config: (BLOCK_M, BLOCK_N, num_warps, num_stages, splits[, merge]), default launch_config(...);
     merge "fused" (default for a 5-tuple with splits > 1: one launch, the last program of each
-    request merges) or "separate" (a second merge kernel, the two-launch path).
+    request merges), "separate" (a second merge kernel, the two-launch path) or "pdl" (the
+    second launch as a programmatic dependent launch, sm_90+; experimental, "separate" on CPU).
     out/lse: optional preallocated outputs ([rows, h, C] q's dtype, [rows, h] float32).
     check_values: also check prefix_lens and block_table contents (a host sync on GPU). Without
     it, bad table entries are clamped in the kernel: wrong results, never a fault.
@@ -383,14 +390,17 @@ def mla_verify_attention_triton(
         return out, lse
     o_part = torch.empty(splits, rows * heads, c, dtype=torch.float32, device=device)
     lse_part = torch.empty(splits, rows * heads, dtype=torch.float32, device=device)
-    fused = merge != "separate"
+    fused = merge not in ("separate", "pdl")
+    pdl = merge == "pdl" and device.type == "cuda"
     counters = _counter_workspace(device, grid[0] * b) if fused else lse_part
     _verify_fwd[grid](q_latent, q_rope, cache, table, prefix_lens, mask64, out, lse, o_part, lse_part, counters,
-                      *scalars, *tail, PARTIAL=True, FUSED_MERGE=fused, **common, **launch)
+                      *scalars, *tail, PARTIAL=True, FUSED_MERGE=fused, **common, **launch,
+                      **({"PDL": True} if pdl else {}))
     if fused:
         return out, lse
     block_c = min(c, 128)
     _merge_splits[(rows * heads, c // block_c)](
         o_part, lse_part, out, lse, rows * heads, heads, splits, out.stride(0), out.stride(1), lse.stride(0),
-        C=c, BLOCK_C=block_c, BLOCK_S=16, **({"num_warps": 4} if launch else {}))
+        C=c, BLOCK_C=block_c, BLOCK_S=16, **({"num_warps": 4} if launch else {}),
+        **({"PDL": True, "launch_pdl": True} if pdl else {}))
     return out, lse
