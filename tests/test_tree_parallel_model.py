@@ -56,7 +56,7 @@ def test_model_matches_reference(kind):
         got, path = parallel_model.build_tree_parallel(lp, ids, budget)
         paths[path] += 1
         assert got == reference.build_tree(lp, ids, budget), (kind, lp.shape, budget, path)
-    if kind in ("rand", "big", "quarter"):
+    if kind in ("rand", "big", "quarter", "tiny"):  # tiny: inexact sums, the chain path
         assert paths["fast"] >= 30, paths  # the fast path is the common one on drafter-like rows
 
 

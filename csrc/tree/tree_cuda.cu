@@ -9,7 +9,7 @@
 #ifndef DDTREE_TREE_EMULATION  // tree_cuda_emulate.cc compiles the build kernels as host C++
 #include <cuda_runtime.h>
 #define DDTREE_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
-#define DDTREE_BLOCK_PATH(fallback)  // the emulation counts the block kernel's paths
+#define DDTREE_BLOCK_PATH(fallback, exact)  // the emulation counts the block kernel's paths
 #endif
 
 #include <algorithm>
@@ -290,13 +290,14 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
 // model of these steps (same float64 operations, bins and checks), tested against the oracle;
 // docs/tree.md "The block kernel" gives the argument.
 //
-// 1. Exact inputs: when every log-prob is a multiple of 2^-q with D * max|lp| < 2^(53-q), every
+// 1. Scores: when every log-prob is a multiple of 2^-q with D * max|lp| < 2^(53-q), every
 //    float64 partial sum along a path is exact, so a path's contract score is the plain sum of
-//    its log-probs in any order (no sibling chains to replay).
-// 2. Pool: level by level, each live parent p (score >= tau) gets the children j with
-//    score(p) + lp[d-1][j] >= tau and (j + 1) * prod(p) <= budget (prod = product of rank + 1
-//    along the path): a prefix of the row, counted by binary search, written to consecutive
-//    slots after a block scan. tau rises (histogram select) whenever more than budget nodes live.
+//    its log-probs in any order ("exact": children by binary search, one thread per child).
+//    Otherwise each thread replays the contract's sibling chain for its parents.
+// 2. Pool: level by level, each live parent p (score >= tau) gets its children j in rank order
+//    while score >= tau and (j + 1) * prod(p) <= budget (prod = product of rank + 1 along the
+//    path), written to consecutive slots after a block scan of the counts. tau rises
+//    (histogram select) whenever more than budget nodes live.
 // 3. The live nodes are ranked by the contract's total order by counting; the first budget form
 //    the tree (node index = rank + 1).
 // 4. Verification: each tree node's generator (elder sibling, or the parent for rank 0) is in
@@ -386,8 +387,8 @@ __device__ int block_inclusive_scan(int v, BlockScalars& sh, int* total) {
 }
 
 __device__ __forceinline__ int bin_of(double s, double mn, double scale) {
-  const double t = (s - mn) * scale;
-  return t >= kBins ? kBins - 1 : static_cast<int>(t);
+  const double t = (s - mn) * scale;  // >= 0 and finite; NaN-safe all the same
+  return t >= kBins ? kBins - 1 : (t > 0.0 ? static_cast<int>(t) : 0);
 }
 
 // Raises tau so that the live nodes (pool slots 1..count-1 with score >= tau, `live` of them,
@@ -525,8 +526,8 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
   }
 
   int n = 0;
-  bool fallback = status == kOk && !exact;
-  if (status == kOk && exact) {
+  bool fallback = false;
+  if (status == kOk) {
     // The pool: slot 0 is the root.
     if (tid == 0) {
       p_score[0] = 0.0;
@@ -548,43 +549,69 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
         int c = 0;
         if (p == 0 || p_score[p] >= tau) {
           const double base = p_score[p];
-          int a = 0, z = min(K, budget / p_prod[p]);  // children j < c: base + row[j] >= tau
-          while (a < z) {
-            const int mid = (a + z) / 2;
-            if (base + static_cast<double>(row[mid]) >= tau) a = mid + 1;
-            else z = mid;
+          const int limit = min(K, budget / p_prod[p]);
+          if (exact) {  // children j < c: base + row[j] >= tau, a prefix (rows descend)
+            int a = 0, z = limit;
+            while (a < z) {
+              const int mid = (a + z) / 2;
+              if (base + static_cast<double>(row[mid]) >= tau) a = mid + 1;
+              else z = mid;
+            }
+            c = a;
+          } else {  // the contract's sibling chain, up to the first score below tau
+            double sc = base + static_cast<double>(row[0]);
+            while (c < limit && sc >= tau) {
+              ++c;
+              if (c < limit) sc = (sc - static_cast<double>(row[c - 1])) + static_cast<double>(row[c]);
+            }
           }
-          c = a;
         }
         offs[p - lo] = c;
         mine += c;
       }
       int total;
-      int base_off = block_inclusive_scan(mine, sh, &total) - mine;
-      for (int p = first; p < last; ++p) {
-        const int c = offs[p - lo];
-        offs[p - lo] = base_off;
-        base_off += c;
-      }
+      const int first_off = block_inclusive_scan(mine, sh, &total) - mine;
       if (count + total > C) {  // block-uniform
         fallback = true;
         break;
       }
       if (total == 0) break;
-      __syncthreads();  // offs complete
-      for (int i = tid; i < total; i += kBlock) {
-        int a = 0, z = P - 1;  // the last parent whose offset is <= i
-        while (a < z) {
-          const int mid = (a + z + 1) / 2;
-          if (offs[mid] <= i) a = mid;
-          else z = mid - 1;
+      if (exact) {  // one thread per child: its parent by binary search over the offsets
+        int off = first_off;
+        for (int p = first; p < last; ++p) {
+          const int c = offs[p - lo];
+          offs[p - lo] = off;
+          off += c;
         }
-        const int p = lo + a, j = i - offs[a], slot = count + i;
-        p_score[slot] = p_score[p] + static_cast<double>(row[j]);
-        p_prefix[slot] = static_cast<int16_t>(p);
-        p_rank[slot] = static_cast<int16_t>(j);
-        p_prod[slot] = static_cast<int16_t>((j + 1) * p_prod[p]);
-        p_depth[slot] = static_cast<int8_t>(d);
+        __syncthreads();  // offs complete
+        for (int i = tid; i < total; i += kBlock) {
+          int a = 0, z = P - 1;  // the last parent whose offset is <= i
+          while (a < z) {
+            const int mid = (a + z + 1) / 2;
+            if (offs[mid] <= i) a = mid;
+            else z = mid - 1;
+          }
+          const int p = lo + a, j = i - offs[a], slot = count + i;
+          p_score[slot] = p_score[p] + static_cast<double>(row[j]);
+          p_prefix[slot] = static_cast<int16_t>(p);
+          p_rank[slot] = static_cast<int16_t>(j);
+          p_prod[slot] = static_cast<int16_t>((j + 1) * p_prod[p]);
+          p_depth[slot] = static_cast<int8_t>(d);
+        }
+      } else {  // each thread replays the chains of its parents into its range of slots
+        int slot = count + first_off;
+        for (int p = first; p < last; ++p) {
+          const int c = offs[p - lo];
+          double sc = p_score[p] + static_cast<double>(row[0]);
+          for (int j = 0; j < c; ++j, ++slot) {
+            if (j > 0) sc = (sc - static_cast<double>(row[j - 1])) + static_cast<double>(row[j]);
+            p_score[slot] = sc;
+            p_prefix[slot] = static_cast<int16_t>(p);
+            p_rank[slot] = static_cast<int16_t>(j);
+            p_prod[slot] = static_cast<int16_t>((j + 1) * p_prod[p]);
+            p_depth[slot] = static_cast<int8_t>(d);
+          }
+        }
       }
       __syncthreads();  // the new level is visible; offs may be reused
       lo = count;
@@ -675,7 +702,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
     }
   }
 
-  if (tid == 0 && status == kOk) DDTREE_BLOCK_PATH(fallback);
+  if (tid == 0 && status == kOk) DDTREE_BLOCK_PATH(fallback, exact);
   if (fallback) {  // block-uniform: the exact sequential loop on warp 0
     if (tid < kWarp) {
       n = warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, tid);

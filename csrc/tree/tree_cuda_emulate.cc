@@ -27,7 +27,7 @@ struct Dim {
   int x;
 };
 thread_local int tid = 0, bid = 0;
-std::atomic<int> path_count[2];  // requests that took the block kernel's fast path / its fallback
+std::atomic<int> path_count[3];  // block kernel requests: fast path (exact sums, chains), fallback
 struct Block {
   int threads = 0;
   std::unique_ptr<std::barrier<>> block_barrier;
@@ -138,7 +138,7 @@ void launch(int grid, int threads, size_t smem_bytes, F kernel) {
 #define __shared__ static
 #define DDTREE_DYNAMIC_SMEM(name) unsigned char* name = ::emu::dynamic_smem()
 #define threadIdx (::emu::thread_idx())
-#define DDTREE_BLOCK_PATH(fallback) (::emu::path_count[(fallback) ? 1 : 0] += 1)
+#define DDTREE_BLOCK_PATH(fallback, exact) (::emu::path_count[(fallback) ? 2 : ((exact) ? 0 : 1)] += 1)
 #define blockIdx (::emu::block_idx())
 struct float4 {
   float x, y, z, w;
@@ -330,7 +330,8 @@ int main(int argc, char** argv) {
     }
     checked += c.batch;
   }
-  std::printf("ok %d cases, %d trees; block kernel: %d fast, %d fallback\n", cases, checked,
-              emu::path_count[0].load(), emu::path_count[1].load());
+  std::printf("ok %d cases, %d trees; block kernel: %d fast (%d of them on chains), %d fallback\n", cases,
+              checked, emu::path_count[0].load() + emu::path_count[1].load(), emu::path_count[1].load(),
+              emu::path_count[2].load());
   return 0;
 }

@@ -4,17 +4,19 @@ It takes the same steps as the kernel, with the same float64 operations, bins an
 that the algorithm can be tested against the oracle (ddtree.tree.reference) on a machine
 without a GPU (tests/test_tree_parallel_model.py). It is not used by the backends.
 
-The idea. When every log-prob of a request is a multiple of 2**-q with D * max|lp| <= 2**(53-q)
+Scores. When every log-prob of a request is a multiple of 2**-q with D * max|lp| < 2**(53-q)
 ("exact inputs": every partial sum is exactly representable), the contract's float64 score of a
-rank path is the exact sum of its log-probs, whatever the operation order. Then:
+rank path is the exact sum of its log-probs, whatever the operation order, so a child's score is
+score(parent) + lp[d-1][j] and a parent's children above tau are found by binary search.
+Otherwise the pool replays the contract's sibling chain (score - lp[r] + lp[r+1]) per parent.
 
 1. Pool. Level by level (depth d = 1..D), every live parent p (score >= tau) gets the children
-   (p, j) with score(p) + lp[d-1][j] >= tau and (j + 1) * prod(p) <= budget, where prod is the
-   product of (rank + 1) along the path (a node needs all the paths it dominates before it, so
-   a tree of `budget` nodes never holds a larger product). The children of one parent are a
-   prefix of its row (rows descend), written to consecutive slots.
-2. Threshold. tau starts at -inf; whenever more than 2 * budget pool nodes are live (and once at
-   the end, when more than budget are), tau rises to the smallest score among the histogram
+   (p, j) with score >= tau (up to the first one below) and (j + 1) * prod(p) <= budget, where
+   prod is the product of (rank + 1) along the path (a node needs all the paths it dominates
+   before it, so a tree of `budget` nodes never holds a larger product). The children of one
+   parent are a prefix of its row, written to consecutive slots.
+2. Threshold. tau starts at -inf; whenever more than budget pool nodes are live (after each
+   level, and once at the end), tau rises to the smallest score among the histogram
    bins (256 over [min, max] of live scores) that hold the top >= budget live nodes.
 3. Selection. The live nodes are ranked by the contract's total order (score, then rank path)
    by counting; the first `budget` are the tree, node index = rank + 1.
@@ -22,8 +24,8 @@ rank path is the exact sum of its log-probs, whatever the operation order. Then:
    node's generator (elder sibling, or the parent for rank 0) is in the tree and ranks before it;
    every offer of a tree node (next sibling, first child) that is not in the tree pops after the
    last tree node; if the tree has fewer than `budget` nodes, no such offer exists.
-Anything else (inexact inputs, pool overflow, too many tied candidates, a failed verification)
-falls back to the exact sequential algorithm (in the kernel: the one-warp loop, run by warp 0).
+Anything else (pool overflow, too many tied candidates, a failed verification) falls back to
+the exact sequential algorithm (in the kernel: the one-warp loop, run by warp 0).
 """
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ def _tighten(score, live_slots, budget):
 
     def bin_of(s):
         t = (s - mn) * scale
-        return BINS - 1 if t >= BINS else int(t)
+        return BINS - 1 if t >= BINS else (int(t) if t > 0.0 else 0)
 
     hist = [0] * BINS
     for s in scores:
@@ -103,8 +105,7 @@ def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, produc
     lp = np.asarray(logprobs, dtype=np.float32).astype(np.float64).tolist()
     depth_limit, topk = len(lp), len(lp[0])
     fallback = lambda why: (reference.build_tree(logprobs, ids, budget), "fallback:" + why)  # noqa: E731
-    if not exact_inputs(lp):
-        return fallback("inexact")
+    exact = exact_inputs(lp)
     # Pool slot 0 is the root.
     score, prefix, rank, depth, prod = [0.0], [-1], [0], [0], [1]
     tau = -math.inf
@@ -113,21 +114,29 @@ def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, produc
     for d in range(1, depth_limit + 1):
         row = lp[d - 1]
         parents = [p for p in range(lo, hi) if p == 0 or score[p] >= tau]
-        counts = []
+        children = []  # per parent: the scores of its children in the pool
         for p in parents:
             base = score[p]
             limit = min(topk, bound // prod[p])
-            c = 0  # binary search in the kernel: the first j with base + row[j] < tau
-            while c < limit and base + row[c] >= tau:
-                c += 1
-            counts.append(c)
-        total = sum(counts)
+            kids = []
+            if exact:  # binary search in the kernel: the first j with base + row[j] < tau
+                while len(kids) < limit and base + row[len(kids)] >= tau:
+                    kids.append(base + row[len(kids)])
+            else:  # the contract's sibling chain, up to the first score below tau
+                sc = base + row[0]
+                while len(kids) < limit and sc >= tau:
+                    kids.append(sc)
+                    c = len(kids)
+                    if c < limit:
+                        sc = (sc - row[c - 1]) + row[c]
+            children.append(kids)
+        total = sum(len(kids) for kids in children)
         if len(score) + total > capacity:
             return fallback("overflow")
         lo = len(score)
-        for p, c in zip(parents, counts):
-            for j in range(c):
-                score.append(score[p] + row[j])
+        for p, kids in zip(parents, children):
+            for j, sc in enumerate(kids):
+                score.append(sc)
                 prefix.append(p)
                 rank.append(j)
                 depth.append(d)
