@@ -311,7 +311,7 @@ constexpr int kBins = kBlock;            // histogram bins of one threshold step
 constexpr int kMaxPool = 8192;           // pool slots (int16 indices)
 constexpr int kMinPool = 2048;
 constexpr int kCandidateFactor = 4;      // more than 4 * budget tied candidates: fall back
-constexpr size_t kBlockSharedLimit = 227 * 1024;
+constexpr size_t kBlockSharedLimit = 227 * 1024 - 2048;  // dynamic; BlockScalars is static
 
 // Dynamic shared memory of one block build: 8-byte arrays first, then 4-, 2- and 1-byte ones.
 struct BlockShared {
@@ -354,6 +354,7 @@ struct BlockScalars {
   int total, cut_bin, cut_live, m, n;
   unsigned int abs_max;  // float bits of max |lp|
 };
+static_assert(sizeof(BlockScalars) <= 2048, "static shared memory beyond kBlockSharedLimit's margin");
 
 // Doubles as unsigned keys in the same order (no NaN here).
 __device__ __forceinline__ unsigned long long order_key(double x) {
