@@ -297,7 +297,8 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
 // 2. Pool: level by level, each live parent p (score >= tau) gets its children j in rank order
 //    while score >= tau and (j + 1) * prod(p) <= budget (prod = product of rank + 1 along the
 //    path), written to consecutive slots after a block scan of the counts. tau rises
-//    (histogram select) whenever more than budget nodes live.
+//    (histogram select) when more than 2 * budget nodes live after a level, and at the end
+//    when more than budget do.
 // 3. The live nodes are ranked by the contract's total order by counting; the first budget form
 //    the tree (node index = rank + 1).
 // 4. Verification: each tree node's generator (elder sibling, or the parent for rank 0) is in
@@ -311,6 +312,7 @@ constexpr int kBins = kBlock;            // histogram bins of one threshold step
 constexpr int kMaxPool = 8192;           // pool slots (int16 indices)
 constexpr int kMinPool = 2048;
 constexpr int kCandidateFactor = 4;      // more than 4 * budget tied candidates: fall back
+constexpr int kTightenFactor = 2;        // after a level, tighten when > 2 * budget nodes live
 constexpr size_t kBlockSharedLimit = 227 * 1024 - 2048;  // dynamic; BlockScalars is static
 
 // Dynamic shared memory of one block build: 8-byte arrays first, then 4-, 2- and 1-byte ones.
@@ -619,7 +621,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       hi = count + total;
       count += total;
       live += total;
-      if (live > budget) tighten(p_score, count, tau, live, budget, sh);
+      if (live > kTightenFactor * budget) tighten(p_score, count, tau, live, budget, sh);
     }
     if (!fallback && live > budget) tighten(p_score, count, tau, live, budget, sh);
     if (!fallback && live > kCandidateFactor * budget) fallback = true;

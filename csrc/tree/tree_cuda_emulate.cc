@@ -6,6 +6,9 @@
 //   g++ -std=c++20 -O1 -pthread -I csrc csrc/tree/tree_cuda_emulate.cc csrc/tree/tree_cpu.cpp
 //   ./a.out CASES SEED          # prints "ok ..." or the first mismatch, exit status 1
 //
+// With -fsanitize=thread it is a race check on the kernels' shared memory (every access
+// between two barriers); with -fsanitize=address,undefined a bounds and UB check.
+//
 // Not built into the extension (CMake globs *.cpp and *.cu only).
 #include <algorithm>
 #include <atomic>

@@ -15,8 +15,8 @@ Otherwise the pool replays the contract's sibling chain (score - lp[r] + lp[r+1]
    prod is the product of (rank + 1) along the path (a node needs all the paths it dominates
    before it, so a tree of `budget` nodes never holds a larger product). The children of one
    parent are a prefix of its row, written to consecutive slots.
-2. Threshold. tau starts at -inf; whenever more than budget pool nodes are live (after each
-   level, and once at the end), tau rises to the smallest score among the histogram
+2. Threshold. tau starts at -inf; when more than 2 * budget pool nodes are live after a level
+   (and once at the end, when more than budget are), tau rises to the smallest score among the histogram
    bins (256 over [min, max] of live scores) that hold the top >= budget live nodes.
 3. Selection. The live nodes are ranked by the contract's total order (score, then rank path)
    by counting; the first `budget` are the tree, node index = rank + 1.
@@ -36,7 +36,7 @@ import numpy as np
 from ddtree.tree import reference
 
 BINS = 256            # histogram bins of one threshold step (= threads of the block)
-TIGHTEN_FACTOR = 1    # tighten when more than TIGHTEN_FACTOR * budget nodes are live
+TIGHTEN_FACTOR = 2    # tighten when more than TIGHTEN_FACTOR * budget nodes are live
 CANDIDATE_FACTOR = 4  # more than CANDIDATE_FACTOR * budget candidates at the end: fall back
 
 
