@@ -165,6 +165,12 @@ def test_bad_build_input_is_a_value_error(case, backend):
         build_trees(*make(lp, ids), backend)
 
 
+def test_unknown_cuda_kernel_is_a_value_error():
+    lp, ids = random_topk(2, 3, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="cuda_kernel must be 'block' or 'warp'"):
+        build_trees(lp, ids, 8, "cpu", cuda_kernel="grid")
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("value, message", [(float("nan"), "NaN"), (float("inf"), "NaN or an infinite"),
                                             (-float("inf"), "infinite"), (5.0, "descending")])

@@ -111,3 +111,14 @@ def test_cuda_bad_values_reported_by_status_and_raised_when_checked():
     assert trees.status.tolist() == [0, 0, 1, 2]
     with pytest.raises(ValueError, match="cpu backend needs CPU tensors"):
         build_trees(lp, ids, 8, "cpu")
+
+
+def test_cuda_warp_kernel_and_block_kernel_agree():
+    """cuda_kernel="warp" (the previous kernel, also the block kernel's fallback) on its own."""
+    gen = torch.Generator().manual_seed(11)
+    for ties, shape in [(False, (256, 16, 64, 64)), (True, (128, 16, 32, 100)), (False, (64, 16, 256, 256))]:
+        batch, depth, topk, budget = shape
+        lp, ids = random_topk(batch, depth, topk, ties=ties, generator=gen)
+        want = build_trees(lp, ids, budget, "cpu")
+        assert_trees_equal(build_trees(lp.cuda(), ids.cuda(), budget, "cuda", cuda_kernel="warp"), want)
+        assert_trees_equal(build_trees(lp.cuda(), ids.cuda(), budget, "cuda"), want)
