@@ -2,8 +2,9 @@
 
 kernels.txt                device time (CUDA events, median) of the cuda build and accept kernels
                            for batch {1,8,32,64,128} x budget {16,64,256,1024}, D = 16, K = budget;
-                           the build both as the block kernel (the default) and as the previous
-                           one-warp kernel (cuda_kernel="warp"), with their ratio, in the same run.
+                           the build both as the block kernel (cuda_kernel="block") and as the
+                           one-warp kernel (cuda_kernel="warp"), with their ratio, in the same run
+                           (the default "auto" picks between them by budget: ddtree.tree.ops).
 selfcheck.txt              the block kernel against the cpu backend (= the oracle) on ~10k random,
                            tie-heavy and adversarial trees: PASS or FAIL with the first mismatch.
 tree_build_vs_sglang.txt   side by side in the same run, wall time per batch (median):
@@ -13,7 +14,8 @@ tree_build_vs_sglang.txt   side by side in the same run, wall time per batch (me
                                DDTree worker does these steps; its code is not imported here);
                                the heapq part is ddtree.tree.reference.build_tree, the oracle.
                            (b) the `cpu` backend: top-k to host, C++ build, results back to GPU.
-                           (c) the `cuda` backend: build_trees(...) launch + synchronize.
+                           (c) the `cuda` backend: build_trees(...) launch + synchronize (the
+                               default cuda_kernel="auto", i.e. what ships).
                            with ratios a/c and b/c (and a/c against c's device time).
 
     python benchmarks/bench_tree.py --out benchmarks/results/h200
@@ -188,7 +190,7 @@ def run_selfcheck(trees_wanted: int) -> tuple[bool, list[str]]:
         lp = adversarial(lp, kind, gen)
         budgets = budget if i % 3 else torch.randint(1, budget + 1, (batch,), generator=gen).tolist()
         want = build_trees(lp, ids, budgets, "cpu")
-        got = build_trees(lp.cuda(), ids.cuda(), budgets, "cuda")
+        got = build_trees(lp.cuda(), ids.cuda(), budgets, "cuda", cuda_kernel="block")
         if not trees_equal(got, want):
             bad.append(f"shape {(batch, depth, topk, budget)} kind {kind} per-request budgets {i % 3 == 0}")
         checked += batch
@@ -211,7 +213,7 @@ def header(title: str, command: str) -> list[str]:
 def run_kernels(reps: int, command: str, batches=BATCHES, budgets=BUDGETS) -> list[str]:
     lines = header(f"Tree build / accept kernels, D = {DEPTH}, K = budget; median of {reps} calls, microseconds",
                    command)
-    lines.append("build: the block kernel (one block of 256 threads per request, the default);")
+    lines.append("build: the block kernel (one block of 256 threads per request; cuda_kernel=\"block\");")
     lines.append("build_warp: the previous kernel (one warp per request), same inputs, same run; x = build_warp/build")
     lines.append("build/accept: kernel execution time from CUDA activity records (CUPTI, torch.profiler);")
     lines.append("*_ev: one CUDA event pair around each call (after a spin kernel hides the host overhead),")
@@ -222,12 +224,12 @@ def run_kernels(reps: int, command: str, batches=BATCHES, budgets=BUDGETS) -> li
     for budget in budgets:
         for batch in batches:
             lp, ids = inputs(batch, budget)
-            trees = build_trees(lp, ids, budget, "cuda")
+            trees = build_trees(lp, ids, budget, "cuda", cuda_kernel="block")
             cpu_trees = build_trees(lp.cpu(), ids.cpu(), budget, "cpu")
             same = trees_equal(trees, cpu_trees) and trees_equal(
                 build_trees(lp, ids, budget, "cuda", cuda_kernel="warp"), cpu_trees)
             post = deepest_posterior(cpu_trees).cuda()
-            build_call = lambda: build_trees(lp, ids, budget, "cuda", check=False)  # noqa: E731
+            build_call = lambda: build_trees(lp, ids, budget, "cuda", check=False, cuda_kernel="block")  # noqa: E731
             warp_call = lambda: build_trees(lp, ids, budget, "cuda", check=False, cuda_kernel="warp")  # noqa: E731
             accept_call = lambda: accept(trees, post, "cuda", check=False)  # noqa: E731
             build = kernel_us(build_call, reps, "block_build_kernel")
@@ -262,7 +264,7 @@ def run_vs_sglang(command: str, budget_s: float, batches=BATCHES, budgets=BUDGET
             a = wall_us(lambda: sglang_style_build(lp, ids, budget), reps_a, warmup=0)
             b = wall_us(lambda: cpu_backend_build(lp, ids, budget), 20)
             c = wall_us(lambda: cuda_backend_build(lp, ids, budget), 200, warmup=10)
-            c_dev = kernel_us(lambda: build_trees(lp, ids, budget, "cuda", check=False), 200, "block_build_kernel")
+            c_dev = kernel_us(lambda: build_trees(lp, ids, budget, "cuda", check=False), 200, "build_kernel")
             lines.append(f"{batch:>6} {budget:>7} {a:>12.1f} {b:>10.1f} {c:>8.1f} {c_dev:>9.2f} "
                          f"{a / c:>9.0f} {b / c:>7.1f} {a / c_dev:>9.0f}")
             print(lines[-1], flush=True)
@@ -276,7 +278,7 @@ def run_smoke() -> None:
         for ties in (False, True):
             lp, ids = random_topk(batch, depth, topk, ties=ties, generator=torch.Generator().manual_seed(budget))
             want = build_trees(lp, ids, budget, "cpu")
-            got = build_trees(lp.cuda(), ids.cuda(), budget, "cuda")
+            got = build_trees(lp.cuda(), ids.cuda(), budget, "cuda", cuda_kernel="block")
             assert trees_equal(build_trees(lp.cuda(), ids.cuda(), budget, "cuda", cuda_kernel="warp"), want)
             post = deepest_posterior(want)
             acc = accept(got, post.cuda(), "cuda")

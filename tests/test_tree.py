@@ -167,7 +167,7 @@ def test_bad_build_input_is_a_value_error(case, backend):
 
 def test_unknown_cuda_kernel_is_a_value_error():
     lp, ids = random_topk(2, 3, 4, generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="cuda_kernel must be 'block' or 'warp'"):
+    with pytest.raises(ValueError, match="cuda_kernel must be one of auto, block, warp"):
         build_trees(lp, ids, 8, "cpu", cuda_kernel="grid")
 
 

@@ -32,18 +32,19 @@ def cuda_shapes():
     return out
 
 
-def test_cuda_build_matches_reference_on_many_trees():
+@pytest.mark.parametrize("kernel", ["auto", "block", "warp"])
+def test_cuda_build_matches_reference_on_many_trees(kernel):
     gen = torch.Generator().manual_seed(2024)
     checked = 0
     for i, (batch, depth, topk, budget) in enumerate(cuda_shapes()):
         ties = i % 3 == 2
         lp, ids = random_topk(batch, depth, topk, ties=ties, temperature=0.5 + (i % 4), generator=gen)
         want = build_trees(lp, ids, budget, "cpu")  # equals "reference" (tests/test_tree.py)
-        got = build_trees(lp.cuda(), ids.cuda(), budget, "cuda")
+        got = build_trees(lp.cuda(), ids.cuda(), budget, "cuda", cuda_kernel=kernel)
         assert_trees_equal(got, want)
         sample = slice(0, min(batch, 24))  # and straight against the Python oracle
         assert_trees_equal(build_trees(lp[sample], ids[sample], budget, "reference"),
-                           build_trees(lp[sample].cuda(), ids[sample].cuda(), budget, "cuda"))
+                           build_trees(lp[sample].cuda(), ids[sample].cuda(), budget, "cuda", cuda_kernel=kernel))
         checked += batch
     assert checked >= TREES
 
@@ -100,14 +101,15 @@ def test_cuda_graph_capture_replays_build_and_accept():
         assert torch.equal(accepted.path.cpu(), accept(want, post, "reference").path)
 
 
-def test_cuda_bad_values_reported_by_status_and_raised_when_checked():
+@pytest.mark.parametrize("kernel", ["block", "warp"])
+def test_cuda_bad_values_reported_by_status_and_raised_when_checked(kernel):
     lp, ids = random_topk(4, 3, 4, generator=torch.Generator().manual_seed(0))
     lp[2, 1, 3] = float("nan")
     lp[3, 0, 0] = -50.0  # row not descending
     lp, ids = lp.cuda(), ids.cuda()
     with pytest.raises(ValueError, match=r"top_logprobs\[2\] contains NaN"):
-        build_trees(lp, ids, 8, "cuda")
-    trees = build_trees(lp, ids, 8, "cuda", check=False)
+        build_trees(lp, ids, 8, "cuda", cuda_kernel=kernel)
+    trees = build_trees(lp, ids, 8, "cuda", check=False, cuda_kernel=kernel)
     assert trees.status.tolist() == [0, 0, 1, 2]
     with pytest.raises(ValueError, match="cpu backend needs CPU tensors"):
         build_trees(lp, ids, 8, "cpu")
@@ -121,4 +123,4 @@ def test_cuda_warp_kernel_and_block_kernel_agree():
         lp, ids = random_topk(batch, depth, topk, ties=ties, generator=gen)
         want = build_trees(lp, ids, budget, "cpu")
         assert_trees_equal(build_trees(lp.cuda(), ids.cuda(), budget, "cuda", cuda_kernel="warp"), want)
-        assert_trees_equal(build_trees(lp.cuda(), ids.cuda(), budget, "cuda"), want)
+        assert_trees_equal(build_trees(lp.cuda(), ids.cuda(), budget, "cuda", cuda_kernel="block"), want)

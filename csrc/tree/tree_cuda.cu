@@ -793,7 +793,9 @@ bool launch_block_staged(const BuildArgs& in, const BuildOutputs& out, cudaStrea
   const int C = block_capacity<Staged>(in.depth, in.topk, in.max_budget);
   if (C == 0) return false;
   const size_t smem = BlockShared(in.depth, in.topk, in.max_budget, C, sizeof(Staged)).bytes;
-  if (smem > kDefaultSharedLimit)
+  // The limit without opt-in counts static + dynamic shared memory: a dynamic size just under 48 KB
+  // plus BlockScalars failed to launch ("invalid argument") on the H200.
+  if (smem + sizeof(BlockScalars) > kDefaultSharedLimit)
     check_cuda(cudaFuncSetAttribute(block_build_kernel<M, Staged>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                "block build (shared memory opt-in)");

@@ -3,9 +3,11 @@
 - "reference": plain Python heapq (the oracle; slow), any device, results on the input's device.
 - "cpu": C++ in ddtree._C, the batch spread over threads with the GIL released.
 - "cuda": kernels on the current stream; no host synchronisation when check=False, so it can be
-  captured in a CUDA graph (then read Trees.status yourself). The build runs one block per
-  request (parallel selection, verified exactly, the sequential warp loop as its fallback);
-  cuda_kernel="warp" runs the previous one-warp-per-request kernel alone (for comparison).
+  captured in a CUDA graph (then read Trees.status yourself). Two build kernels give the same
+  trees: "warp" (one warp per request, a sequential best-first loop) and "block" (one block per
+  request: parallel selection, verified exactly, the warp loop as its fallback). cuda_kernel="auto"
+  picks the faster one as measured on the H200 (benchmarks/results/h200/kernels.txt): the warp
+  kernel up to budget 128 and from 512 on, the block kernel in between.
 "auto" picks "cuda" for CUDA tensors and "cpu" otherwise.
 """
 from __future__ import annotations
@@ -81,17 +83,28 @@ def _launch_cuda(kernel, args, device: torch.device) -> None:
         kernel(*args, torch.cuda.current_stream(device).cuda_stream)
 
 
+CUDA_KERNELS = ("auto", "block", "warp")
+# H200, D 16, K = budget, kernel time (µs) block / warp: budget 16: 14.5 / 5.4, 64: 32.5 / 17.2,
+# 256: 79 / 141, 1024: 2402 / 1971 (the block kernel's pool overflows there and it falls back).
+# The warp loop grows ~budget^1.5, the block kernel ~budget^0.6: they cross near 128.
+BLOCK_KERNEL_BUDGETS = range(129, 385)
+
+
+def _block_kernel(choice: str, budget: int) -> bool:
+    return choice == "block" or (choice == "auto" and budget in BLOCK_KERNEL_BUDGETS)
+
+
 def build_trees(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int | Sequence[int],
                 backend: str = "auto", *, check: bool = True, threads: int | None = None,
-                out: Trees | None = None, cuda_kernel: str = "block") -> Trees:
+                out: Trees | None = None, cuda_kernel: str = "auto") -> Trees:
     """Best-first draft trees from top-k log-probs [Bt, D, K] (float32, rows descending) and
     token ids [Bt, D, K] (int32/int64), at most `budget` nodes per request (an int, or one per
     request; outputs are padded to the largest). Bad input raises ValueError; with check=False
     on CUDA, value errors are left in Trees.status (per request, 0 = ok) instead.
     `out`: preallocated outputs to write into (e.g. views of a shared region; cpu/cuda only).
-    `cuda_kernel`: "block" (default) or "warp" (the previous kernel); same trees either way."""
-    if cuda_kernel not in ("block", "warp"):
-        raise ValueError(f"cuda_kernel must be 'block' or 'warp', got {cuda_kernel!r}")
+    `cuda_kernel`: "auto" (default: the faster for this budget), "block" or "warp"; same trees."""
+    if cuda_kernel not in CUDA_KERNELS:
+        raise ValueError(f"cuda_kernel must be one of {', '.join(CUDA_KERNELS)}, got {cuda_kernel!r}")
     budgets = checks.check_build_inputs(top_logprobs, top_ids, budget)
     backend = _resolve_backend(backend, top_logprobs.device)
     batch, depth, topk = top_logprobs.shape
@@ -117,7 +130,7 @@ def build_trees(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int |
     if backend == "cpu":
         C.tree_build_cpu(*args, _threads(threads))
     else:
-        kernel = C.tree_build_cuda if cuda_kernel == "block" else C.tree_build_cuda_warp
+        kernel = C.tree_build_cuda if _block_kernel(cuda_kernel, n) else C.tree_build_cuda_warp
         _launch_cuda(kernel, args, lp.device)
     if check or backend == "cpu":
         checks.raise_on_status(out.status)
