@@ -239,14 +239,17 @@ MERGES = ("none", "fused", "separate", "pdl")  # pdl: separate, the merge a prog
 MIN_SPLIT_TILES = 4  # a split reads at least this many KV tiles
 SPLIT_WAVES = 2      # rows > 64 only (the earlier rule): split until about this many programs per SM
 SPLIT_STAGES = 5     # BLOCK_M 16: two KV tiles in flight per program (102 KB shared, 2 programs/SM)
-# Cost model for the split count and merge (seconds, bytes/s; H200 guesses, calibrated by the
-# device run's decode sweep, see docs/verify_attention.md):
+FUSED_MAX_SPLITS = 4  # rows <= 64: the last program merges alone; beyond this many splits its serial
+                      # read of the partials costs more than a second launch (H200 sweep, below)
+# Cost model (seconds, bytes/s; H200 guesses). It no longer chooses the launch: the H200 sweep of
+# 2026-11-29 (benchmarks/results/h200/verify_attn_decode.txt) found it picks half the splits that
+# measure best (b=16, 8k: its x8 fused 108 us vs x16 separate 82 us; b=64: x2 363 us vs x4 246 us).
+# bench_verify_attn.py --sweep still prints it beside the measurements, for a later calibration.
 HBM_BW = 4.0e12       # the KV stream of all programs together (measured device copy >= 100 MB)
 PROGRAM_BW = 40e9     # one program's KV stream (bytes in flight / latency)
 MERGER_BW = 80e9      # one program reading fp32 partials from L2 (fused merge: ~32 KB in flight / ~0.3 us)
 L2_BW = 8e12          # all programs writing + reading partials in L2
 LAUNCH_GAP = 4e-6     # a second, dependent launch (graph replay ~1-2 us; eager Triton launches more)
-FUSED_BIAS = 0.95     # near-ties go to the single launch
 
 
 def _estimate(splits: int, merge: str, programs: int, slots: int, tiles: int, block_m: int, block_n: int,
@@ -270,12 +273,12 @@ def launch_config(rows_per_request: int, batch: int, max_kv_len: int, device: to
 
     BLOCK_M = pow2(rows per request) up to 64: for rows <= 64 one program row block holds all of
     a request's rows, so each KV byte is read once per request. When few programs cannot fill
-    the chip, the KV range is split (flash-decoding): candidate split counts are the largest that
-    fits the resident program slots in ONE wave (never a nearly empty second wave) and its
-    halvings, each with >= MIN_SPLIT_TILES tiles; the merge is fused into the kernel (the last
-    program of a request merges) or a second launch; `_estimate` picks the pair. merge="fused"
-    or "separate" forces the merge kind (when splits > 1). max_kv_len is a host-side bound
-    (block-table width x page size): no device sync.
+    the chip, the KV range is split (flash-decoding) into the largest count that fits the resident
+    program slots in ONE wave (never a nearly empty second wave), each split >= MIN_SPLIT_TILES
+    tiles; up to FUSED_MAX_SPLITS splits the merge is fused into the kernel (the last program of a
+    request merges), beyond it a second launch. Both rules are what the H200 decode sweep measured
+    fastest. merge="fused" or "separate" forces the merge kind (when splits > 1). max_kv_len is a
+    host-side bound (block-table width x page size): no device sync.
 
     Rows > 64 (the compute-bound trees) keep the earlier rule, unchanged and measured: about
     SPLIT_WAVES programs per SM, >= MIN_SPLIT_TILES tiles per split, 3 stages, merged by the
@@ -297,18 +300,10 @@ def launch_config(rows_per_request: int, batch: int, max_kv_len: int, device: to
     max_splits = min(tiles // MIN_SPLIT_TILES, slots // programs) if programs < slots else 1
     if max_splits <= 1:
         return block_m, block_n, warps, 3, 1, "none"
-    candidates, s = [], max_splits
-    while s >= 2:
-        candidates.append(s)
-        s //= 2
-    modes = ("fused", "separate") if merge == "auto" else (merge,)
-    best = min(((_estimate(s, m, programs, slots, tiles, block_m, block_n, c, r, elem)
-                 * (FUSED_BIAS if m == "fused" else 1.0), s, m) for s in candidates for m in modes))
-    single = _estimate(1, "none", programs, slots, tiles, block_m, block_n, c, r, elem)
-    if merge == "auto" and single <= best[0]:
-        return block_m, block_n, warps, 3, 1, "none"
+    if merge == "auto":
+        merge = "fused" if max_splits <= FUSED_MAX_SPLITS else "separate"
     stages = SPLIT_STAGES if block_m == 16 else 3
-    return block_m, block_n, warps, stages, best[1], best[2]
+    return block_m, block_n, warps, stages, max_splits, merge
 
 
 _COUNTERS: dict[tuple, list[torch.Tensor]] = {}
