@@ -10,7 +10,8 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
 export RESULTS=/tmp/results PYTHONUNBUFFERED=1
-export REPO_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# The device's copy of .git can lag the working tree (seen 2026-11-29): pass REPO_COMMIT=<hash> in the call.
+export REPO_COMMIT=${REPO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export DEVICE_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 mkdir -p "$RESULTS"
 start=$SECONDS
