@@ -28,6 +28,17 @@ def add_serve_parser(serve_subparsers) -> argparse.ArgumentParser:
     return p
 
 
+# Budget policy defaults by device. CPU, 2 cores, bundled pair (benchmarks/results/cpu/trace_report.txt):
+# at 512 tokens a batch-1 ddtree step verified a 256-node tree in ~80 ms against ~10 ms for one ar
+# token, and ddtree ran below ar.
+GPU_TOKENS_PER_STEP = 512
+CPU_TOKENS_PER_STEP = 64
+
+
+def default_tokens_per_step(device: str) -> int:
+    return GPU_TOKENS_PER_STEP if device.startswith("cuda") else CPU_TOKENS_PER_STEP
+
+
 def add_verify_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("models")
     m.add_argument("--target", required=True, help="target checkpoint directory (HF deepseek_v3 / kimi_k2 / kimi_k25)")
@@ -56,7 +67,10 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-context", type=int, default=None, help="prompt + generated tokens (default: the model's)")
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted (default 4096)")
     s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when the client leaves it unset")
-    s.add_argument("--tokens-per-step", type=int, default=512, help="budget policy: verify tokens per step")
+    s.add_argument("--tokens-per-step", type=int, default=None,
+                   help="budget policy: verify tokens per step, shared by the batch's trees (default: "
+                        f"{GPU_TOKENS_PER_STEP} on a GPU, where a verify costs about the same up to hundreds of "
+                        f"tokens; {CPU_TOKENS_PER_STEP} on CPU, where its cost grows with every token)")
     s.add_argument("--min-budget", type=int, default=4, help="budget policy: smallest per-request budget")
     s.add_argument("--max-budget", type=int, default=256, help="largest tree budget (policy and clients)")
     s.add_argument("--max-top-k", type=int, default=64, help="K of the drafter's top-k (capped by the budget)")
@@ -70,7 +84,7 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
                    help="a failed drafter/sidecar is bypassed this long before it is tried again")
 
 
-def engine_config(args):
+def engine_config(args, device: str = "cpu"):
     from ddtree.engine.budget import BudgetPolicy
     from ddtree.engine.engine import EngineConfig
     from ddtree.engine.scheduler import SchedulerConfig
@@ -78,7 +92,9 @@ def engine_config(args):
     return EngineConfig(
         scheduler=SchedulerConfig(max_running=args.max_running, max_queue=args.max_queue,
                                   num_pages=args.num_pages, page_size=args.page_size),
-        budget=BudgetPolicy(tokens_per_step=args.tokens_per_step, min_budget=min(args.min_budget, args.max_budget),
+        budget=BudgetPolicy(tokens_per_step=(default_tokens_per_step(device) if args.tokens_per_step is None
+                                             else args.tokens_per_step),
+                            min_budget=min(args.min_budget, args.max_budget),
                             max_budget=args.max_budget),
         max_tokens_limit=args.max_tokens_limit, default_max_tokens=min(args.default_max_tokens, args.max_tokens_limit),
         max_top_k=args.max_top_k, reattach_after_s=args.reattach_after_s,
@@ -120,7 +136,7 @@ def serve(args, provider, log: logging.Logger) -> int:
                        max_context=args.max_context, tree_backend=args.tree_backend)
     if args.drafter_endpoint:  # remote drafter: only its feature layers matter here
         setup = dataclasses.replace(setup, drafter=None, drafter_layer_ids=feature_layers(setup))
-    config = engine_config(args)
+    config = engine_config(args, device)
     server = GrpcServer(ServerConfig(name="verify", host=args.host, port=args.port, tls_cert=args.tls_cert,
                                      tls_key=args.tls_key), provider)
 
