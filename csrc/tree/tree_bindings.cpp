@@ -43,6 +43,26 @@ tree::AcceptOutputs accept_outputs(uintptr_t path, uintptr_t length, uintptr_t b
           as_ptr<int32_t>(keep), as_ptr<int32_t>(status)};
 }
 
+using CudaBuild = void (*)(const tree::BuildArgs&, const tree::BuildOutputs&, void*);
+
+// The two CUDA build kernels share one signature: (inputs, outputs, stream address).
+void def_cuda_build(py::module_& m, const char* name, CudaBuild build, const char* doc) {
+  m.def(
+      name,
+      [build](uintptr_t logprobs, uintptr_t ids, uintptr_t budgets, int batch, int depth, int topk,
+              int max_budget, uintptr_t tokens, uintptr_t depths, uintptr_t parents,
+              uintptr_t num_nodes, uintptr_t mask, uintptr_t status, uintptr_t stream) {
+        py::gil_scoped_release release;
+        build(build_args(logprobs, ids, budgets, batch, depth, topk, max_budget),
+              build_outputs(tokens, depths, parents, num_nodes, mask, status),
+              reinterpret_cast<void*>(stream));
+      },
+      doc, py::arg("logprobs"), py::arg("ids"), py::arg("budgets"), py::arg("batch"),
+      py::arg("depth"), py::arg("topk"), py::arg("max_budget"), py::arg("tokens"),
+      py::arg("depths"), py::arg("parents"), py::arg("num_nodes"), py::arg("mask"),
+      py::arg("status"), py::arg("stream"));
+}
+
 }  // namespace
 
 void register_tree(py::module_& m) {
@@ -69,34 +89,8 @@ void register_tree(py::module_& m) {
       py::arg("depth"), py::arg("topk"), py::arg("max_budget"), py::arg("tokens"),
       py::arg("depths"), py::arg("parents"), py::arg("num_nodes"), py::arg("mask"),
       py::arg("status"), py::arg("threads"));
-  m.def(
-      "tree_build_cuda",
-      [](uintptr_t logprobs, uintptr_t ids, uintptr_t budgets, int batch, int depth, int topk,
-         int max_budget, uintptr_t tokens, uintptr_t depths, uintptr_t parents,
-         uintptr_t num_nodes, uintptr_t mask, uintptr_t status, uintptr_t stream) {
-        py::gil_scoped_release release;
-        tree::build_trees_cuda(build_args(logprobs, ids, budgets, batch, depth, topk, max_budget),
-                               build_outputs(tokens, depths, parents, num_nodes, mask, status),
-                               reinterpret_cast<void*>(stream));
-      },
-      build_doc, py::arg("logprobs"), py::arg("ids"), py::arg("budgets"), py::arg("batch"),
-      py::arg("depth"), py::arg("topk"), py::arg("max_budget"), py::arg("tokens"),
-      py::arg("depths"), py::arg("parents"), py::arg("num_nodes"), py::arg("mask"),
-      py::arg("status"), py::arg("stream"));
-  m.def(
-      "tree_build_cuda_warp",
-      [](uintptr_t logprobs, uintptr_t ids, uintptr_t budgets, int batch, int depth, int topk,
-         int max_budget, uintptr_t tokens, uintptr_t depths, uintptr_t parents,
-         uintptr_t num_nodes, uintptr_t mask, uintptr_t status, uintptr_t stream) {
-        py::gil_scoped_release release;
-        tree::build_trees_cuda_warp(build_args(logprobs, ids, budgets, batch, depth, topk, max_budget),
-                               build_outputs(tokens, depths, parents, num_nodes, mask, status),
-                               reinterpret_cast<void*>(stream));
-      },
-      build_warp_doc, py::arg("logprobs"), py::arg("ids"), py::arg("budgets"), py::arg("batch"),
-      py::arg("depth"), py::arg("topk"), py::arg("max_budget"), py::arg("tokens"),
-      py::arg("depths"), py::arg("parents"), py::arg("num_nodes"), py::arg("mask"),
-      py::arg("status"), py::arg("stream"));
+  def_cuda_build(m, "tree_build_cuda", tree::build_trees_cuda, build_doc);
+  def_cuda_build(m, "tree_build_cuda_warp", tree::build_trees_cuda_warp, build_warp_doc);
   m.def(
       "tree_accept_cpu",
       [](uintptr_t tokens, uintptr_t parents, uintptr_t num_nodes, uintptr_t posterior,
