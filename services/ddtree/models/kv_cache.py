@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -94,13 +95,18 @@ class LatentKVCache:
 
     # ---- addressing ---------------------------------------------------------------------
     def block_table(self, seq_ids: list[int]) -> torch.Tensor:
-        """[B, max_pages] int32 (padding: page 0, never read unmasked)."""
+        """[B, max_pages] int32 (padding: page 0, never read unmasked). Built on the host in one
+        piece and copied once: per-sequence tensors cost a device copy each on a GPU."""
         width = max([len(self._seq(s).pages) for s in seq_ids] + [1])
-        table = torch.zeros(len(seq_ids), width, dtype=torch.int32)
+        table = np.zeros((len(seq_ids), width), dtype=np.int32)
         for i, s in enumerate(seq_ids):
             pages = self._seqs[s].pages
-            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        return table.to(self.pages.device)
+            table[i, : len(pages)] = pages
+        return torch.from_numpy(table).to(self.pages.device)
+
+    def _host_slots(self, seq: _Sequence, positions: np.ndarray) -> np.ndarray:
+        pages = np.asarray(seq.pages, dtype=np.int64)
+        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
 
     def slots(self, seq_ids: list[int], positions: torch.Tensor) -> torch.Tensor:
         """positions [B, T] -> flat slot ids [B, T] into pages.view(L, -1, D)."""
@@ -134,8 +140,9 @@ class LatentKVCache:
         keep = keep.to("cpu", torch.int64)
         if keep.dim() != 2 or keep.shape[0] != len(seq_ids):
             raise ValueError(f"keep must be [B={len(seq_ids)}, K]; got {tuple(keep.shape)}")
+        keep = keep.numpy()
         counts = (keep >= 0).sum(1)
-        src, dst = [], []
+        src, dst = [], []  # slot ids, computed on the host: no per-sequence device work or sync
         for b, s in enumerate(seq_ids):
             seq, n = self._seq(s), int(counts[b])
             rows = keep[b, :n]
@@ -144,12 +151,17 @@ class LatentKVCache:
             if n and int(rows.max()) >= len(seq.pages) * self.page_size - seq.length:
                 raise ValueError(f"keep row {b} points beyond the reserved tail")
             if n:
-                src.append(self.slots([s], (seq.length + rows)[None])[0])
-                dst.append(self.slots([s], (seq.length + torch.arange(n))[None])[0])
+                src.append(self._host_slots(seq, seq.length + rows))
+                dst.append(self._host_slots(seq, seq.length + np.arange(n)))
         if src:
-            flat = self.pages.view(self.pages.shape[0], -1, self.pages.shape[-1])
-            moved = flat[:, torch.cat(src)]  # gather first: sources and destinations may overlap
-            flat[:, torch.cat(dst)] = moved
+            src_slots, dst_slots = np.concatenate(src), np.concatenate(dst)
+            moving = src_slots != dst_slots  # rows already in place (ar, a tree's first path) stay
+            if moving.any():
+                flat = self.pages.view(self.pages.shape[0], -1, self.pages.shape[-1])
+                to_device = lambda a: torch.from_numpy(a[moving]).to(self.pages.device)  # noqa: E731
+                src_t, dst_t = to_device(src_slots), to_device(dst_slots)
+                moved = flat[:, src_t]  # gather first: sources and destinations may overlap
+                flat[:, dst_t] = moved
         for b, s in enumerate(seq_ids):
             seq = self._seqs[s]
             seq.length += int(counts[b])
