@@ -475,12 +475,14 @@ class Engine:
     def _commit(self, batch: list[_Request], trees: TreeBatch, accepted, features: torch.Tensor) -> int:
         total = 0
         degraded = self._down.get("treebuild")
+        paths = [accepted.path[b, :int(accepted.length[b])].tolist() for b in range(len(batch))]
+        kept = _kept_features(batch, paths, features)
         for b, req in enumerate(batch):
-            n = int(accepted.length[b])
-            path = accepted.path[b, :n].to(torch.int64)
-            tokens = [int(trees.tokens[b, i - 1]) for i in path[1:].tolist()] + [int(accepted.bonus[b])]
-            if req.mode is not Mode.AR and features is not None and features.numel():
-                req.new_features = features[b, path]
+            path = paths[b]
+            tokens = [int(trees.tokens[b, i - 1]) for i in path[1:]] + [int(accepted.bonus[b])]
+            if b in kept:
+                req.new_features = kept[b]
+            n = len(path)
             req.position += n
             req.bonus = tokens[-1]
             req.steps += 1
@@ -535,6 +537,18 @@ class Engine:
                            mode_used=req.mode.value, degradation=req.degradation,
                            error=error if reason is FinishReason.ERROR else None)
         req.out.put(usage)
+
+
+def _kept_features(batch: list[_Request], paths: list[list[int]], features: torch.Tensor | None) -> dict:
+    """Each speculative row's features at its accepted path, gathered in one indexing op (one
+    host-to-device index copy for the batch rather than one per request)."""
+    rows = [b for b, req in enumerate(batch) if req.mode is not Mode.AR]
+    if not rows or features is None or not features.numel():
+        return {}
+    width = features.shape[1]
+    index = torch.tensor([b * width + i for b in rows for i in paths[b]], dtype=torch.int64)
+    gathered = features.reshape(-1, *features.shape[2:])[index.to(features.device)]
+    return dict(zip(rows, gathered.split([len(paths[b]) for b in rows])))
 
 
 def _row(trees: TreeBatch, j: int) -> TreeBatch:
