@@ -421,6 +421,8 @@ class Engine:
             whole = None
         if whole is not None and len(spec_rows) == len(batch):  # one build, batch order: the usual case
             return whole
+        if not parts:  # all rows ar (or the build failed): one roots-only batch, no per-row padding
+            return TreeBatch.roots_only(len(batch))
         rows = [parts.get(id(r)) or TreeBatch.roots_only(1) for r in batch]
         return concat_trees(rows)
 
