@@ -1,4 +1,4 @@
-"""The Python model of the CUDA block build (ddtree.tree.parallel_model) equals the oracle.
+"""The Python model of the CUDA block build (tests/tree_parallel_model.py) equals the oracle.
 
 The model takes the kernel's steps (pool levels, histogram thresholds, ranking, verification,
 fallback) with the same float64 operations; here it meets random, tie-heavy and adversarial
@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.tree import parallel_model, reference
+import tree_parallel_model as parallel_model
+
+from ddtree.tree import reference
 from ddtree.tree.samples import random_topk
 
 KINDS = ("rand", "ties", "zeros", "pos", "tiny", "big", "fewvals", "quarter")
