@@ -15,7 +15,7 @@ earlier one ("old": ~2 programs per SM, 3 stages, always the two-launch merge), 
 (CUDA events around the Python call) and under CUDA-graph replay (the call captured once, the
 graph replayed back to back between events), each against a device copy of the same bytes timed
 the same way. --sweep: split counts x merge kind x stages on a few decode shapes (graph replay),
-beside the cost model's estimate (kernels.mla_verify_triton._estimate), to calibrate it.
+beside the cost model's estimate (model_seconds, here), to calibrate it.
 
     python benchmarks/bench_verify_attn.py --out benchmarks/results/h200      # appends to kernels.txt
     python benchmarks/bench_verify_attn.py --decode --sweep                   # decode path only
@@ -48,6 +48,32 @@ BATCHES = (1, 16, 64)
 NODES = (1, 16, 64)
 HEADS = (8, 16)
 PREFIXES = (1024, 8192, 32768)
+
+
+# A cost model of the split-KV decode launch (seconds, bytes/s; H200 guesses), printed by --sweep
+# beside the measurements for a later calibration. It once chose the launch; the H200 sweep of
+# 2026-11-29 (benchmarks/results/h200/verify_attn_decode.txt) found it picks half the splits that
+# measure best (b=16, 8k: its x8 fused 108 us vs x16 separate 82 us; b=64: x2 363 us vs x4 246 us),
+# so kernels.launch_config now follows the measured rule and the model lives here.
+HBM_BW = 4.0e12       # the KV stream of all programs together (measured device copy >= 100 MB)
+PROGRAM_BW = 40e9     # one program's KV stream (bytes in flight / latency)
+MERGER_BW = 80e9      # one program reading fp32 partials from L2 (fused merge: ~32 KB in flight / ~0.3 us)
+L2_BW = 8e12          # all programs writing + reading partials in L2
+LAUNCH_GAP = 4e-6     # a second, dependent launch (graph replay ~1-2 us; eager Triton launches more)
+
+
+def model_seconds(splits: int, merge: str, programs: int, slots: int, tiles: int, block_m: int, block_n: int,
+              c: int, r: int, elem: int) -> float:
+    """Modelled seconds for one call: waves of programs streaming their share of the KV range,
+    partials written and read in L2, and the merge (the last program's, or a second launch)."""
+    launched = programs * splits
+    waves = -(-launched // slots)
+    per_program = min(PROGRAM_BW, HBM_BW / min(launched, slots))
+    t = waves * (-(-tiles // splits)) * block_n * (c + r) * elem / per_program
+    if splits > 1:
+        t += 2 * launched * block_m * c * 4 / L2_BW
+        t += splits * block_m * c * 4 / MERGER_BW if merge == "fused" else LAUNCH_GAP
+    return t
 
 
 def counts(batch: int, nodes: int, heads: int, prefix: int) -> tuple[float, float]:
@@ -263,12 +289,11 @@ def run_sweep(args) -> list[str]:
     import triton
 
     from ddtree.kernels import mla_verify_attention_triton
-    from ddtree.kernels import mla_verify_triton as km
     work = Workload(64, 32768, 4)
     gen = torch.Generator().manual_seed(3)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = [emit(args, "# decode launch configs under CUDA-graph replay vs the cost model "
-                        "(kernels.mla_verify_triton._estimate)")]
+                        "(model_seconds in this script)")]
     deadline = time.monotonic() + args.sweep_seconds
     for batch, nodes, heads, prefix in SWEEP_SHAPES:
         inputs = work.case(batch, nodes, heads, prefix, gen)
@@ -286,8 +311,8 @@ def run_sweep(args) -> list[str]:
                 lines.append(emit(args, f"sweep b={batch} n={nodes} h={heads} p={prefix} {cfg_str(cfg)}: "
                                         f"failed {type(e).__name__}: {e}"[:300]))
                 continue
-            model = 1e6 * km._estimate(cfg[4], cfg[5], batch * triton.cdiv(rows, bm), sms * (2 if bm <= 32 else 1),
-                                       triton.cdiv(kv_bound, bn), bm, bn, C, R, 2)
+            model = 1e6 * model_seconds(cfg[4], cfg[5], batch * triton.cdiv(rows, bm),
+                                            sms * (2 if bm <= 32 else 1), triton.cdiv(kv_bound, bn), bm, bn, C, R, 2)
             tag = " (default)" if i == 0 else ""
             lines.append(emit(args, f"sweep b={batch:3d} n={nodes:2d} h={heads:2d} p={prefix:6d} {cfg_str(cfg):22s} "
                                     f"graph {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s  model {model:8.1f} us{tag}"))

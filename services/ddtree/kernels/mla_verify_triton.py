@@ -240,35 +240,10 @@ MIN_SPLIT_TILES = 4  # a split reads at least this many KV tiles
 SPLIT_WAVES = 2      # rows > 64 only (the earlier rule): split until about this many programs per SM
 SPLIT_STAGES = 5     # BLOCK_M 16: two KV tiles in flight per program (102 KB shared, 2 programs/SM)
 FUSED_MAX_SPLITS = 4  # rows <= 64: the last program merges alone; beyond this many splits its serial
-                      # read of the partials costs more than a second launch (H200 sweep, below)
-# Cost model (seconds, bytes/s; H200 guesses). It no longer chooses the launch: the H200 sweep of
-# 2026-11-29 (benchmarks/results/h200/verify_attn_decode.txt) found it picks half the splits that
-# measure best (b=16, 8k: its x8 fused 108 us vs x16 separate 82 us; b=64: x2 363 us vs x4 246 us).
-# bench_verify_attn.py --sweep still prints it beside the measurements, for a later calibration.
-HBM_BW = 4.0e12       # the KV stream of all programs together (measured device copy >= 100 MB)
-PROGRAM_BW = 40e9     # one program's KV stream (bytes in flight / latency)
-MERGER_BW = 80e9      # one program reading fp32 partials from L2 (fused merge: ~32 KB in flight / ~0.3 us)
-L2_BW = 8e12          # all programs writing + reading partials in L2
-LAUNCH_GAP = 4e-6     # a second, dependent launch (graph replay ~1-2 us; eager Triton launches more)
-
-
-def _estimate(splits: int, merge: str, programs: int, slots: int, tiles: int, block_m: int, block_n: int,
-              c: int, r: int, elem: int) -> float:
-    """Modelled seconds for one call: waves of programs streaming their share of the KV range,
-    partials written and read in L2, and the merge (the last program's, or a second launch)."""
-    launched = programs * splits
-    waves = -(-launched // slots)
-    per_program = min(PROGRAM_BW, HBM_BW / min(launched, slots))
-    t = waves * (-(-tiles // splits)) * block_n * (c + r) * elem / per_program
-    if splits > 1:
-        t += 2 * launched * block_m * c * 4 / L2_BW
-        t += splits * block_m * c * 4 / MERGER_BW if merge == "fused" else LAUNCH_GAP
-    return t
-
-
+                      # read of the partials costs more than a second launch (H200 sweep of 2026-11-29,
+                      # benchmarks/results/h200/verify_attn_decode.txt)
 def launch_config(rows_per_request: int, batch: int, max_kv_len: int, device: torch.device, *,
-                  c: int = 512, r: int = 64, elem: int = 2, merge: str = "auto",
-                  ) -> tuple[int, int, int, int, int, str]:
+                  merge: str = "auto") -> tuple[int, int, int, int, int, str]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, splits, merge) for one call.
 
     BLOCK_M = pow2(rows per request) up to 64: for rows <= 64 one program row block holds all of
@@ -360,8 +335,7 @@ def mla_verify_attention_triton(
     if rows == 0:
         return out, lse
     if config is None:
-        config = launch_config(t * heads, b, block_table.shape[1] * cache.shape[1], device, c=c, r=r,
-                               elem=q_latent.element_size())
+        config = launch_config(t * heads, b, block_table.shape[1] * cache.shape[1], device)
     block_m, block_n, warps, stages, splits = config[:5]
     merge = config[5] if len(config) > 5 else "fused"
     if merge not in MERGES:
