@@ -376,8 +376,9 @@ class TargetModel(nn.Module):
         """tokens/positions [B, T]; tail rows written at length_b + i. -> normed hidden [B*T, H], features."""
         cache = self.cache
         b, t = tokens.shape
-        prefix = torch.tensor([cache.length(s) for s in seq_ids], device=self.device)
-        slots = cache.slots(seq_ids, prefix[:, None] + torch.arange(t, device=self.device))
+        lengths = torch.tensor([cache.length(s) for s in seq_ids])
+        slots = cache.slots(seq_ids, lengths[:, None] + torch.arange(t))  # host positions: no device read
+        prefix = lengths.to(self.device)
         table = cache.block_table(seq_ids)
         cos, sin = self.rotary.cos_sin(positions.reshape(-1), self.dtype)
         x = self._embed(tokens.reshape(-1))

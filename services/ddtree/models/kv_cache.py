@@ -105,17 +105,19 @@ class LatentKVCache:
         return torch.from_numpy(table).to(self.pages.device)
 
     def _host_slots(self, seq: _Sequence, positions: np.ndarray) -> np.ndarray:
+        """Flat slot ids of one sequence's positions, computed from its page list on the host."""
+        if positions.size and (positions.min() < 0 or positions.max() >= len(seq.pages) * self.page_size):
+            raise ValueError("position beyond the reserved pages; call reserve() first")
         pages = np.asarray(seq.pages, dtype=np.int64)
         return pages[positions // self.page_size] * self.page_size + positions % self.page_size
 
     def slots(self, seq_ids: list[int], positions: torch.Tensor) -> torch.Tensor:
-        """positions [B, T] -> flat slot ids [B, T] into pages.view(L, -1, D)."""
-        table = self.block_table(seq_ids).to(torch.int64)
-        positions = positions.to(table.device, torch.int64)
-        if positions.numel() and int(positions.max()) >= table.shape[1] * self.page_size:
-            raise ValueError("position beyond the reserved pages; call reserve() first")
-        page = torch.gather(table, 1, positions // self.page_size)
-        return page * self.page_size + positions % self.page_size
+        """positions [B, T] (host tensor) -> flat slot ids [B, T] into pages.view(L, -1, D), on the
+        cache's device: computed on the host, one copy, no device-to-host read."""
+        positions = positions.to("cpu", torch.int64).numpy()
+        out = np.stack([self._host_slots(self._seq(s), positions[i]) for i, s in enumerate(seq_ids)]) \
+            if len(seq_ids) else positions.copy()
+        return torch.from_numpy(out).to(self.pages.device)
 
     def layer(self, layer: int) -> torch.Tensor:
         return self.pages[layer]
