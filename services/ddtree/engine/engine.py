@@ -484,8 +484,7 @@ class Engine:
             tokens = [int(trees.tokens[b, i - 1]) for i in path[1:]] + [int(accepted.bonus[b])]
             if b in kept:
                 req.new_features = kept[b]
-            n = len(path)
-            req.position += n
+            req.position += len(path)
             req.bonus = tokens[-1]
             req.steps += 1
             req.target_forwards += 1
