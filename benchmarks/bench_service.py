@@ -4,18 +4,21 @@
         [--concurrency 1,4,10,32,64] [--modes ddtree,chain,ar] [--max-tokens 256] [--num-requests N]
         [--prompts FILE] [--repeats 3] [--detail spans|summary] [--stack up|verify] [--up-arg=--device=cuda] [--verify-arg=--max-running=64 ...]
 
-Two starts of the stack (`ddtree up` by default: verify + drafter + tree-build sidecar; or the
-verify service alone) on the same checkpoints, the same sweep on each:
-  1. tracing off (OTEL_TRACES_SAMPLER=always_off)                 -> service_baseline.txt
-  2. full-sampling tracing (always_on, every step, OTLP/gRPC to a collector in this script, as to
-     Jaeger; written to service_trace.jsonl after the sweep) -> trace_report.txt (by level)
-and tracing_cost.txt: agg tok/s of run 2 over run 1 per level (goal >= 0.97); with --repeats N
-the two alternate N times and the medians are compared.
+Two copies of the stack (`ddtree up` by default: verify + drafter + tree-build sidecar; or the
+verify service alone) run side by side on the same checkpoints, one with tracing off
+(OTEL_TRACES_SAMPLER=always_off), one with full-sampling tracing (always_on, every step, OTLP/gRPC
+to a collector in its own process, as to Jaeger). Every level runs on both, alternating (off, on;
+then on, off on the next repeat, so drift hits both alike), one copy idle while the other is
+measured: the tracing cost is measured in one run, level by level. Outputs:
+  service_baseline.txt  the tracing-off sweep (per level, the repeat with the median tok/s)
+  trace_report.txt      `ddtree trace-report` over the traced runs, grouped by level
+  tracing_cost.txt      per level, median agg tok/s on over off (goal >= 0.97)
 Every file starts with the command, the git commit and the device that produced it.
 """
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import signal
 import socket
@@ -25,7 +28,6 @@ import sys
 import threading
 import time
 from concurrent import futures
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -33,14 +35,15 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from ddtree.telemetry.file_exporter import otlp_json_line
 from ddtree.v1 import generation_pb2_grpc
-from ddtree_client.generate import GenerateOptions, describe_server
-from ddtree_client.loadtest import LoadTestConfig, format_table, run_sweep, to_json
+from ddtree_client.channel import open_channel
+from ddtree_client.generate import GenerateOptions, describe_server, build_request, stream_generate
+from ddtree_client.loadtest import LoadTestConfig, format_table, run_level, to_json, with_speedups
 from ddtree_client.prompts import BUILTIN_PROMPTS, load_prompts
+
 
 class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):
     """The services export OTLP/gRPC here, as they would to Jaeger; requests are kept as received
-    and written as OTLP-JSON lines only after the sweep, so no JSON encoding runs during it (not in
-    the services, not next to the load-test client's timing threads)."""
+    and written as OTLP-JSON lines only when asked, after the sweep."""
 
     def __init__(self):
         self._requests: list = []
@@ -58,6 +61,32 @@ class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):
         with open(path, "w", encoding="utf-8") as fh:
             for request in self._requests:
                 fh.write(otlp_json_line(request) + "\n")
+
+
+def _collector_process(conn) -> None:
+    """Child process: a collector; sends its port, then writes the spans to the path it is sent."""
+    collector = OtlpCollector()
+    conn.send(collector.port)
+    collector.write(Path(conn.recv()))
+    conn.send("written")
+
+
+class CollectorProcess:
+    """An OtlpCollector in its own process, as Jaeger is: its decoding never competes with the
+    load-test client's threads for this process's interpreter."""
+
+    def __init__(self):
+        self._conn, child = multiprocessing.get_context("spawn").Pipe()
+        self._proc = multiprocessing.get_context("spawn").Process(target=_collector_process, args=(child,), daemon=True)
+        self._proc.start()
+        if not self._conn.poll(60):
+            raise SystemExit("the OTLP collector process did not start")
+        self.port = self._conn.recv()
+
+    def write(self, path: Path) -> None:
+        self._conn.send(str(path))
+        self._conn.recv()
+        self._proc.join(10)
 
 
 def start_stack(args, env_extra: dict, log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -141,43 +170,85 @@ def main(argv: list[str] | None = None) -> int:
         prompts=tuple(load_prompts(args.prompts)) if args.prompts else BUILTIN_PROMPTS, warmup=args.warmup)
     trace_file = out / "service_trace.jsonl"
     trace_file.unlink(missing_ok=True)
-    collector = OtlpCollector()
+    collector = CollectorProcess()
     tracing = {"off": {"OTEL_TRACES_SAMPLER": "always_off"},
                "on": {"OTEL_TRACES_SAMPLER": "always_on", "DDTREE_TRACE_STEPS": "1", "DDTREE_TRACE_DETAIL": args.detail,
                       "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}",
                       "OTEL_EXPORTER_OTLP_INSECURE": "true"}}
-    runs: dict[str, list] = {"off": [], "on": []}
     head = header(argv)
-    for rep in range(args.repeats):               # off and on alternate, so drift hits both alike
-        for name, env in tracing.items():
-            proc, address = start_stack(args, env, out / f"{args.stack}_tracing_{name}_{rep}.log")
-            try:
-                runs[name].append(run_sweep(replace(config, target=address)))
-                with grpc.insecure_channel(address) as channel:
-                    server = describe_server(generation_pb2_grpc.GenerationStub(channel))
-            finally:
-                stop(proc)
-            (out / f"service_tracing_{name}_{rep}.json").write_text(to_json(runs[name][-1], config, server))
-            if name == "off" and rep == 0:  # written at once: a run cut short later still leaves the baseline
-                (out / "service_baseline.txt").write_text(
-                    head + "# tracing off, first repeat; every request generates max_tokens (ignore_eos)\n"
-                    + format_table(runs["off"][0], server))
+    stacks: dict[str, tuple] = {}
+    starters = [threading.Thread(target=lambda n=name, e=env: stacks.__setitem__(
+        n, start_stack(args, e, out / f"{args.stack}_tracing_{n}.log"))) for name, env in tracing.items()]
+    for t in starters:
+        t.start()
+    for t in starters:
+        t.join()
+    try:
+        if set(stacks) != set(tracing):
+            raise SystemExit(f"a stack did not start (started: {sorted(stacks)})")
+        runs, server = measure(config, {name: address for name, (_, address) in stacks.items()}, args.repeats)
+    finally:
+        for proc, _ in stacks.values():
+            stop(proc)
     collector.write(trace_file)
     report = subprocess.run([sys.executable, "-m", "ddtree.cli", "trace-report", "--file",
                              str(trace_file), "--group-by", "level"], capture_output=True, text=True)
     (out / "trace_report.txt").write_text(head + "# full-sampling tracing runs, grouped by load-test level\n"
                                           + report.stdout + report.stderr)
-    lines = [f"{'mode':<7}{'conc':>5}{'off_tok/s':>11}{'on_tok/s':>11}{'on/off':>8}"]
-    for i, level in enumerate(runs["off"][0]):
-        off = statistics.median(sweep[i].agg_tok_s for sweep in runs["off"])
-        on = statistics.median(sweep[i].agg_tok_s for sweep in runs["on"])
-        lines.append(f"{level.mode:<7}{level.concurrency:>5}{off:>11.1f}{on:>11.1f}{on / off:>8.3f}")
+    lines = [f"{'mode':<7}{'conc':>5}{'off_tok/s':>11}{'on_tok/s':>11}{'on/off':>8}  runs off | on"]
+    for off_runs, on_runs in zip(runs["off"], runs["on"]):
+        off = statistics.median(r.agg_tok_s for r in off_runs)
+        on = statistics.median(r.agg_tok_s for r in on_runs)
+        spread = " ".join(f"{r.agg_tok_s:.0f}" for r in off_runs) + " | " + " ".join(f"{r.agg_tok_s:.0f}" for r in on_runs)
+        level = off_runs[0]
+        lines.append(f"{level.mode:<7}{level.concurrency:>5}{off:>11.1f}{on:>11.1f}{on / off:>8.3f}  {spread}")
     (out / "tracing_cost.txt").write_text(
-        head + f"# agg tok/s, median of {args.repeats} alternating runs each, with full-sampling tracing over "
-        "tracing off (goal >= 0.97)\n" + "\n".join(lines) + "\n")
+        head + f"# agg tok/s, median of {args.repeats} runs per level on each stack (off and on side by side, "
+        "alternating), full-sampling tracing over tracing off (goal >= 0.97)\n" + "\n".join(lines) + "\n")
+    baseline = with_speedups([median_run(level_runs) for level_runs in runs["off"]])
+    (out / "service_baseline.txt").write_text(
+        head + f"# tracing off; per level the run with the median tok/s of {args.repeats}; every request "
+        "generates max_tokens (ignore_eos)\n" + format_table(baseline, server))
+    (out / "service_tracing_off.json").write_text(to_json(baseline, config, server))
     for name in ("service_baseline.txt", "trace_report.txt", "tracing_cost.txt"):
         print((out / name).read_text())
     return 0
+
+
+def median_run(level_runs: list):
+    """The run with the median agg tok/s (the lower middle one for an even count)."""
+    return sorted(level_runs, key=lambda r: r.agg_tok_s)[(len(level_runs) - 1) // 2]
+
+
+def measure(config: LoadTestConfig, addresses: dict[str, str], repeats: int):
+    """Every mode x level on every stack, `repeats` times, alternating the order per repeat.
+    Returns {stack: [[LevelResult per repeat] per level]} and the server's description."""
+    channels = {name: open_channel(address) for name, address in addresses.items()}
+    try:
+        stubs = {name: generation_pb2_grpc.GenerationStub(ch) for name, ch in channels.items()}
+        server = describe_server(stubs["off"])
+        for name, stub in stubs.items():             # first requests of each stack, not counted
+            for i in range(config.warmup):
+                stream_generate(stub, build_request(config.prompts[i % len(config.prompts)], config.options,
+                                                    request_id=f"warmup-{i}"), timeout_s=config.timeout_s)
+        runs: dict[str, list] = {name: [] for name in addresses}
+        names = list(addresses)
+        for mode in config.modes:
+            for conc in config.concurrency:
+                level_runs: dict[str, list] = {name: [] for name in names}
+                for rep in range(repeats):
+                    for name in (names if rep % 2 == 0 else names[::-1]):
+                        result, _ = run_level(stubs[name], config, mode, conc, seed=rep)
+                        level_runs[name].append(result)
+                for name in names:
+                    runs[name].append(level_runs[name])
+                print(f"{mode:>6} conc {conc:>3}: " + ", ".join(
+                    f"{name} " + " ".join(f"{r.agg_tok_s:.1f}" for r in level_runs[name]) for name in names)
+                    + " tok/s", flush=True)
+        return runs, server
+    finally:
+        for ch in channels.values():
+            ch.close()
 
 
 if __name__ == "__main__":
