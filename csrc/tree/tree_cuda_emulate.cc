@@ -75,6 +75,17 @@ inline unsigned ballot(bool p) {
   warp_barrier().arrive_and_wait();
   return bits;
 }
+// __reduce_{max,or,add}_sync over the warp.
+template <typename F>
+unsigned warp_reduce(unsigned v, F op) {
+  const int base = tid / kWarpSize * kWarpSize;
+  current->exchange[tid] = v;
+  warp_barrier().arrive_and_wait();
+  unsigned r = static_cast<unsigned>(current->exchange[base]);
+  for (int l = 1; l < kWarpSize; ++l) r = op(r, static_cast<unsigned>(current->exchange[base + l]));
+  warp_barrier().arrive_and_wait();
+  return r;
+}
 inline int block_reduce(int p, bool want_and) {
   current->block_barrier->arrive_and_wait();  // the exchange slots are free
   current->exchange[tid] = p ? 1 : 0;
@@ -163,6 +174,19 @@ inline T __shfl_up_sync(unsigned, T v, unsigned delta) {
   const int lane = emu::tid % emu::kWarpSize;
   const T r = emu::shfl(v, lane - static_cast<int>(delta));
   return lane >= static_cast<int>(delta) ? r : v;
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
+  return emu::shfl(v, (emu::tid % emu::kWarpSize) ^ lane_mask);
+}
+inline unsigned __reduce_max_sync(unsigned, unsigned v) {
+  return emu::warp_reduce(v, [](unsigned a, unsigned b) { return a > b ? a : b; });
+}
+inline unsigned __reduce_or_sync(unsigned, unsigned v) {
+  return emu::warp_reduce(v, [](unsigned a, unsigned b) { return a | b; });
+}
+inline unsigned __reduce_add_sync(unsigned, unsigned v) {
+  return emu::warp_reduce(v, [](unsigned a, unsigned b) { return a + b; });
 }
 inline unsigned __ballot_sync(unsigned, bool p) { return emu::ballot(p); }
 inline bool __any_sync(unsigned, bool p) { return emu::ballot(p) != 0; }
@@ -291,50 +315,79 @@ void run_warp(const Case& c, Result& r) {
   const auto in = args_of(c);
   const auto out = r.outputs();
   const size_t smem = tree::BuildShared(c.depth, c.topk, c.budget, sizeof(double)).bytes;
-  emu::launch(c.batch, tree::kWarp, smem, [&] { tree::build_kernel<M, double>(in, out); });
+  emu::launch(c.batch, tree::kBuildThreads, smem, [&] { tree::build_kernel<M, double>(in, out); });
 }
 
+// The frontier rows per lane that build_trees_cuda / build_trees_cuda_warp pick for this budget.
+template <typename Staged>
+void run_block_rows(const Case& c, Result& r, int capacity) {
+  const int rows = tree::frontier_rows(c.budget);
+  if (rows <= 1) run_block<1, Staged>(c, r, capacity);
+  else if (rows <= 2) run_block<2, Staged>(c, r, capacity);
+  else if (rows <= 8) run_block<8, Staged>(c, r, capacity);
+  else run_block<32, Staged>(c, r, capacity);
+}
+
+void run_warp_rows(const Case& c, Result& r) {
+  const int rows = tree::frontier_rows(c.budget);
+  if (rows <= 1) run_warp<1>(c, r);
+  else if (rows <= 2) run_warp<2>(c, r);
+  else if (rows <= 4) run_warp<4>(c, r);
+  else if (rows <= 8) run_warp<8>(c, r);
+  else if (rows <= 16) run_warp<16>(c, r);
+  else run_warp<32>(c, r);
+}
+
+void print_mismatch(const char* which, int i, const Case& c, const Result& got, const Result& want) {
+  std::printf("MISMATCH (%s) case %d kind %s batch %d D %d K %d budget %d\n", which, i, c.kind.c_str(), c.batch,
+              c.depth, c.topk, c.budget);
+  for (int b = 0; b < c.batch; ++b)
+    std::printf("  request %d: nodes %d/%d status %d/%d\n", b, got.num_nodes[b], want.num_nodes[b], got.status[b],
+                want.status[b]);
+}
+
+// ./a.out CASES SEED [both|warp|block]: "both" (default) runs the block kernel on every case and
+// the warp kernel on every other one (budgets <= 256, and 1024 now and then); "warp" runs only
+// the warp kernel, on every case.
 int main(int argc, char** argv) {
   const int cases = argc > 1 ? std::atoi(argv[1]) : 50;
   const unsigned seed = argc > 2 ? std::atoi(argv[2]) : 1;
+  const std::string mode = argc > 3 ? argv[3] : "both";
   std::mt19937_64 rng(seed);
-  int checked = 0;
+  int checked = 0, warp_checked = 0;
   for (int i = 0; i < cases; ++i) {
     const Case c = make_case(rng, i);
-    Result want(c), block(c);
+    Result want(c);
     tree::build_trees_cpu(args_of(c), want.outputs(), 1);
-    const int rows = ((c.budget + 1) / 2 + 31) / 32;
-    const bool as_float = i % 5 == 4;  // also the float-staged variant
-    // The launch's capacity, or a small one now and then to exercise the overflow fallback.
-    int capacity = as_float ? tree::block_capacity<float>(c.depth, c.topk, c.budget)
-                            : tree::block_capacity<double>(c.depth, c.topk, c.budget);
-    if (capacity == 0) continue;
-    if (i % 7 == 3) capacity = std::min(capacity, 64 + static_cast<int>(rng() % 512));
-    if (rows <= 1) as_float ? run_block<1, float>(c, block, capacity) : run_block<1, double>(c, block, capacity);
-    else if (rows <= 4) as_float ? run_block<4, float>(c, block, capacity) : run_block<4, double>(c, block, capacity);
-    else as_float ? run_block<16, float>(c, block, capacity) : run_block<16, double>(c, block, capacity);
-    if (!(block == want)) {
-      std::printf("MISMATCH case %d kind %s batch %d D %d K %d budget %d capacity %d\n", i, c.kind.c_str(), c.batch,
-                  c.depth, c.topk, c.budget, capacity);
-      for (int b = 0; b < c.batch; ++b)
-        std::printf("  request %d: nodes %d/%d status %d/%d\n", b, block.num_nodes[b], want.num_nodes[b],
-                    block.status[b], want.status[b]);
-      return 1;
-    }
-    if (i % 10 == 0 && c.budget <= 256) {  // the refactored warp kernel too
-      Result warp(c);
-      if (rows <= 1) run_warp<1>(c, warp);
-      else if (rows <= 4) run_warp<4>(c, warp);
-      else run_warp<16>(c, warp);
-      if (!(warp == want)) {
-        std::printf("MISMATCH (warp kernel) case %d kind %s\n", i, c.kind.c_str());
-        return 1;
+    if (mode != "warp") {
+      Result block(c);
+      const bool as_float = i % 5 == 4;  // also the float-staged variant
+      // The launch's capacity, or a small one now and then to exercise the overflow fallback.
+      int capacity = as_float ? tree::block_capacity<float>(c.depth, c.topk, c.budget)
+                              : tree::block_capacity<double>(c.depth, c.topk, c.budget);
+      if (capacity > 0) {
+        if (i % 7 == 3) capacity = std::min(capacity, 64 + static_cast<int>(rng() % 512));
+        as_float ? run_block_rows<float>(c, block, capacity) : run_block_rows<double>(c, block, capacity);
+        if (!(block == want)) {
+          print_mismatch("block kernel", i, c, block, want);
+          return 1;
+        }
+        checked += c.batch;
       }
     }
-    checked += c.batch;
+    if (mode == "warp" || (mode == "both" && i % 2 == 0 && (c.budget <= 256 || i % 6 == 0))) {
+      Result warp(c);
+      run_warp_rows(c, warp);
+      if (!(warp == want)) {
+        print_mismatch("warp kernel", i, c, warp, want);
+        return 1;
+      }
+      warp_checked += c.batch;
+    }
   }
-  std::printf("ok %d cases, %d trees; block kernel: %d fast (%d of them on chains), %d fallback\n", cases,
-              checked, emu::path_count[0].load() + emu::path_count[1].load(), emu::path_count[1].load(),
-              emu::path_count[2].load());
+  std::printf("ok %d cases, %d trees (block kernel), %d trees (warp kernel); block kernel: %d fast (%d of them on "
+              "chains), %d fallback\n",
+              cases, checked, warp_checked, emu::path_count[0].load() + emu::path_count[1].load(),
+              emu::path_count[1].load(), emu::path_count[2].load());
   return 0;
 }
