@@ -1,12 +1,13 @@
 """Tree build and accept benchmarks (issue 4). One run writes, under --out:
 
 kernels.txt                device time (CUDA events, median) of the cuda build and accept kernels
-                           for batch {1,8,32,64,128} x budget {16,64,256,1024}, D = 16, K = budget;
-                           the build both as the block kernel (cuda_kernel="block") and as the
-                           one-warp kernel (cuda_kernel="warp"), with their ratio, in the same run
-                           (the default "auto" picks between them by budget: ddtree.tree.ops).
-selfcheck.txt              the block kernel against the cpu backend (= the oracle) on ~10k random,
-                           tie-heavy and adversarial trees: PASS or FAIL with the first mismatch.
+                           for batch {1,8,32,64,128} x budget {16,32,64,128,256,384,512,1024},
+                           D = 16, K = budget; the build both as the block kernel
+                           (cuda_kernel="block") and as the warp kernel (cuda_kernel="warp"), with
+                           their ratio, in the same run (the default "auto" picks between them by
+                           budget: ddtree.tree.ops; the `auto` column says which).
+selfcheck.txt              both build kernels against the cpu backend (= the oracle) on ~10k random,
+                           tie-heavy and adversarial trees each: PASS or FAIL with the first mismatches.
 tree_build_vs_sglang.txt   side by side in the same run, wall time per batch (median):
                            (a) the SGLang-style path: per request, top-k copied to the host, the
                                Python heapq build, a numpy visibility matrix, results copied back
@@ -35,10 +36,12 @@ import numpy as np
 import torch
 
 from ddtree.tree import accept, build_trees, reference
+from ddtree.tree.ops import _block_kernel
 from ddtree.tree.samples import random_topk
 
 BATCHES = (1, 8, 32, 64, 128)
-BUDGETS = (16, 64, 256, 1024)
+BUDGETS = (16, 64, 256, 1024)  # tree_build_vs_sglang.txt
+KERNEL_BUDGETS = (16, 32, 64, 128, 256, 384, 512, 1024)  # kernels.txt: where "auto" should switch
 DEPTH = 16
 
 
@@ -176,7 +179,7 @@ def adversarial(lp: torch.Tensor, kind: str, gen: torch.Generator) -> torch.Tens
 
 
 def run_selfcheck(trees_wanted: int) -> tuple[bool, list[str]]:
-    """The block kernel (cuda backend default) against the cpu backend on many trees."""
+    """Both build kernels (block and warp) against the cpu backend on the same trees."""
     shapes = [(512, 16, 64, 64), (512, 16, 256, 256), (256, 16, 16, 64), (512, 8, 8, 100), (128, 24, 128, 500),
               (64, 16, 1024, 1024), (512, 1, 1, 1), (512, 3, 2, 7), (512, 32, 32, 300), (256, 4, 64, 1024)]
     kinds = ("random", "ties", "zeros", "positive", "tiny", "huge", "quarters")
@@ -190,14 +193,16 @@ def run_selfcheck(trees_wanted: int) -> tuple[bool, list[str]]:
         lp = adversarial(lp, kind, gen)
         budgets = budget if i % 3 else torch.randint(1, budget + 1, (batch,), generator=gen).tolist()
         want = build_trees(lp, ids, budgets, "cpu")
-        got = build_trees(lp.cuda(), ids.cuda(), budgets, "cuda", cuda_kernel="block")
-        if not trees_equal(got, want):
-            bad.append(f"shape {(batch, depth, topk, budget)} kind {kind} per-request budgets {i % 3 == 0}")
+        for kernel in ("block", "warp"):
+            got = build_trees(lp.cuda(), ids.cuda(), budgets, "cuda", cuda_kernel=kernel)
+            if not trees_equal(got, want):
+                bad.append(f"{kernel} kernel: shape {(batch, depth, topk, budget)} kind {kind} "
+                           f"per-request budgets {i % 3 == 0}")
         checked += batch
         i += 1
     torch.cuda.synchronize()
     verdict = "PASS" if not bad else "FAIL"
-    lines = [f"selfcheck: block kernel vs cpu backend: {verdict}: {checked} trees in {i} batches, "
+    lines = [f"selfcheck: block and warp kernels vs cpu backend: {verdict}: {checked} trees in {i} batches, "
              f"{time.perf_counter() - t0:.1f} s"] + [f"  mismatch: {b}" for b in bad[:20]]
     for line in lines:
         print(line, flush=True)
@@ -210,17 +215,19 @@ def header(title: str, command: str) -> list[str]:
             f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}", f"command: {command}", ""]
 
 
-def run_kernels(reps: int, command: str, batches=BATCHES, budgets=BUDGETS) -> list[str]:
+def run_kernels(reps: int, command: str, batches=BATCHES, budgets=KERNEL_BUDGETS) -> list[str]:
     lines = header(f"Tree build / accept kernels, D = {DEPTH}, K = budget; median of {reps} calls, microseconds",
                    command)
     lines.append("build: the block kernel (one block of 256 threads per request; cuda_kernel=\"block\");")
-    lines.append("build_warp: the previous kernel (one warp per request), same inputs, same run; x = build_warp/build")
+    lines.append("build_warp: the warp kernel (one block of 128 threads per request, warp 0 runs the unsorted-")
+    lines.append("            frontier loop; cuda_kernel=\"warp\"), same inputs, same run; x = build_warp/build;")
+    lines.append("auto: the kernel cuda_kernel=\"auto\" (the default) runs at this budget")
     lines.append("build/accept: kernel execution time from CUDA activity records (CUPTI, torch.profiler);")
     lines.append("*_ev: one CUDA event pair around each call (after a spin kernel hides the host overhead),")
     lines.append("      i.e. kernel + launch gap as a stream sees it")
     lines.append("")
-    lines.append(f"{'batch':>6} {'budget':>7} {'build':>9} {'build_warp':>11} {'x':>6} {'accept':>9} "
-                 f"{'build_ev':>9} {'accept_ev':>10} {'nodes/tree':>11} {'same':>5}")
+    lines.append(f"{'batch':>6} {'budget':>7} {'build':>9} {'build_warp':>11} {'x':>6} {'auto':>6} {'accept':>9} "
+                 f"{'build_ev':>9} {'warp_ev':>9} {'accept_ev':>10} {'nodes/tree':>11} {'same':>5}")
     for budget in budgets:
         for batch in batches:
             lp, ids = inputs(batch, budget)
@@ -233,13 +240,16 @@ def run_kernels(reps: int, command: str, batches=BATCHES, budgets=BUDGETS) -> li
             warp_call = lambda: build_trees(lp, ids, budget, "cuda", check=False, cuda_kernel="warp")  # noqa: E731
             accept_call = lambda: accept(trees, post, "cuda", check=False)  # noqa: E731
             build = kernel_us(build_call, reps, "block_build_kernel")
-            build_warp = kernel_us(warp_call, max(20, reps // 4) if budget >= 1024 else reps, "build_kernel")
+            build_warp = kernel_us(warp_call, reps, "build_kernel")
             acc = kernel_us(accept_call, reps, "accept_kernel")
             build_ev = device_us(build_call, reps)
+            warp_ev = device_us(warp_call, reps)
             acc_ev = device_us(accept_call, reps)
             nodes = float(trees.num_nodes.float().mean())
-            lines.append(f"{batch:>6} {budget:>7} {build:>9.2f} {build_warp:>11.2f} {build_warp / build:>6.1f} "
-                         f"{acc:>9.2f} {build_ev:>9.2f} {acc_ev:>10.2f} {nodes:>11.1f} {'yes' if same else 'NO':>5}")
+            auto = "block" if _block_kernel("auto", budget) else "warp"
+            lines.append(f"{batch:>6} {budget:>7} {build:>9.2f} {build_warp:>11.2f} {build_warp / build:>6.2f} "
+                         f"{auto:>6} {acc:>9.2f} {build_ev:>9.2f} {warp_ev:>9.2f} {acc_ev:>10.2f} {nodes:>11.1f} "
+                         f"{'yes' if same else 'NO':>5}")
             print(lines[-1], flush=True)
     return lines
 

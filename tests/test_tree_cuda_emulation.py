@@ -37,3 +37,14 @@ def test_emulated_cuda_build_matches_cpu_backend(emulator, seed):
     assert run.stdout.startswith("ok"), run.stdout
     fast = int(run.stdout.split("block kernel: ")[1].split(" fast")[0])
     assert fast > 0, run.stdout  # the parallel path ran, not only the fallback
+
+
+@pytest.mark.parametrize("seed", [2])
+def test_emulated_warp_kernel_matches_cpu_backend(emulator, seed):
+    """The warp kernel alone (its unsorted-frontier loop is also the block kernel's fallback) on
+    every case: ties within a lane's rows and across lanes, signed zeros, budgets up to 1024."""
+    run = subprocess.run([str(emulator), str(2 * CASES), str(seed), "warp"], capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith("ok"), run.stdout
+    assert int(run.stdout.split("trees (block kernel), ")[1].split(" trees")[0]) > 0, run.stdout

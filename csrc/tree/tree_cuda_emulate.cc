@@ -240,9 +240,9 @@ struct Result {
 };
 
 Case make_case(std::mt19937_64& rng, int index) {
-  const char* kinds[] = {"rand", "rand", "rand", "ties", "zeros", "pos", "tiny", "fewvals", "bad"};
+  const char* kinds[] = {"rand", "rand", "rand", "ties", "zeros", "pos", "tiny", "fewvals", "bad", "signedzeros"};
   Case c;
-  c.kind = kinds[rng() % 9];
+  c.kind = kinds[rng() % 10];
   const int depths[] = {1, 2, 3, 4, 8, 16, 16, 32};
   const int budgets[] = {1, 2, 5, 16, 33, 64, 64, 100, 256, 257};
   c.depth = depths[rng() % 8];
@@ -274,6 +274,10 @@ Case make_case(std::mt19937_64& rng, int index) {
       for (int j = 0; j < vocab; ++j) v[j] = static_cast<float>(logits[j] - mx - std::log(z));
       if (c.kind == "ties" || c.kind == "fewvals")
         for (auto& x : v) x = few[rng() % (c.kind == "ties" ? 6 : 3)];
+      if (c.kind == "signedzeros") {  // +0.0 and -0.0 compare equal: exact ties across signs
+        const float signed_zeros[] = {0.0f, -0.0f, -0.0f, -0.5f};
+        for (auto& x : v) x = signed_zeros[rng() % 4];
+      }
       std::sort(v.begin(), v.end(), std::greater<float>());
       for (int j = 0; j < c.topk; ++j) row[j] = v[j];
       if (c.kind == "zeros")
