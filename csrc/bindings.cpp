@@ -14,4 +14,5 @@ PYBIND11_MODULE(_C, m) {
 #endif
   ddtree::register_runtime(m);
   ddtree::register_tree(m);
+  ddtree::register_transport(m);
 }

@@ -5,4 +5,5 @@
 namespace ddtree {
 void register_runtime(pybind11::module_& m);
 void register_tree(pybind11::module_& m);  // csrc/tree/tree_bindings.cpp
+void register_transport(pybind11::module_& m);  // csrc/transport_ops.cpp
 }  // namespace ddtree

@@ -327,3 +327,69 @@ def test_self_test_round_trip_proves_the_kind(kind):
         assert t.kind == {"shm": SHM, "inline": INLINE}[kind] and t.fallback_reason == ""
     finally:
         t.close()
+
+
+def test_view_is_cached_validated_and_the_deferred_read_sums_every_byte(pair, monkeypatch):
+    """PeerScope.view: the validated, cached descriptor (no stream wait) that the probe's deferred
+    read sums with one native call (ddtree._C) or, without the extension's op, with torch; both
+    give the byte sum of exactly the ref's bytes at any offset and length."""
+    from ddtree.transport import checksum, fastpath
+    from ddtree.transport.service import _SumRing
+    producer, consumer, out = pair
+    native = fastpath.CPU_OPS
+    gen = torch.Generator().manual_seed(3)
+    with consumer.hold("producer") as scope:
+        for step, (offset, n) in enumerate([(0, 1), (1, 7), (3, 17), (5, 250), (0, 1024), (9, 1015)]):
+            out.view(1, torch.uint8, (out.slot_bytes,)).fill_(0xFF)      # neighbours: must not be counted
+            data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+            ref = out.put(1, data, offset)
+            view = scope.view(ref)
+            assert scope.view(ref) is view and view.tensor is consumer.resolve("producer", ref)
+            assert view.nbytes == n and view.device_index == -1 and view.event is None
+            for ops in ([native, None] if native is not None else [None]):
+                monkeypatch.setattr(fastpath, "CPU_OPS", ops)
+                ring = _SumRing(8, torch.device("cpu"))
+                ring.add(view, step)
+                assert int(ring.values[step % 8]) == checksum(data), (offset, n, ops)
+                assert int(ring.values.sum()) == checksum(data)          # one cell written
+            monkeypatch.setattr(fastpath, "CPU_OPS", native)
+        empty = scope.view(_ref(shape=[0, 7], offset=1020))           # no bytes: sum 0
+        ring = _SumRing(8, torch.device("cpu"))
+        ring.values.fill_(9)
+        ring.add(empty, 3)
+        assert empty.nbytes == 0 and int(ring.values[3]) == 0
+        with pytest.raises(BadTensorRef, match="does not fit"):
+            scope.view(_ref(shape=[4, 800]))
+        with pytest.raises(BadTensorRef, match="unknown region"):
+            scope.view(_ref(region="nope"))
+
+
+def test_native_byte_sum_matches_torch():
+    from ddtree.transport import fastpath
+    if fastpath.CPU_OPS is None:
+        pytest.skip("ddtree._C without the transport ops")
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    data[: 1 << 20] = 255                                                    # lanes at their maximum
+    cell = torch.zeros((), dtype=torch.int64)
+    for start, n in [(0, 3 << 20), (1, (3 << 20) - 1), (7, 2049), (0, 2048 * 8 + 5)]:
+        fastpath.CPU_OPS.transport_byte_sum_cpu(data.data_ptr() + start, n, cell.data_ptr())
+        assert int(cell) == int(data[start:start + n].sum(dtype=torch.int64))
+
+
+def test_cached_views_do_not_outlive_a_reattach_to_new_memory(pair):
+    """Known descriptors are cached per attached peer: a peer that re-attaches with new regions of
+    the same names is read from its new memory, never through a view of the old one."""
+    producer, consumer, out = pair
+    out.put(1, torch.full((4, 8), 1.0))
+    ref = out.ref(1, out.view(1, torch.float32, (4, 8)))
+    with consumer.hold("producer") as scope:
+        assert scope.view(ref) is scope.view(ref)
+        assert torch.equal(scope.resolve(ref), torch.full((4, 8), 1.0))
+    again = Transport(TransportConfig(peer_id="producer", kind="shm", self_test=False, reap_interval_s=0))
+    try:
+        again.create_region("out", slot_count=3, slot_bytes=1000).put(1, torch.full((4, 8), 2.0))
+        consumer.import_peer("producer", again.handles())
+        assert torch.equal(consumer.resolve("producer", ref), torch.full((4, 8), 2.0))
+    finally:
+        consumer.detach("producer")
+        again.close()

@@ -113,3 +113,54 @@ def test_refs_are_tiny_and_status_counts_references(link):
     by_name = {r.name: r for r in status.regions}
     assert by_name["cuda-client/transport/probe"].kind == CUDA_IPC
     assert by_name["transport/probe"].ref_count == 1
+
+
+def test_deferred_read_sums_exactly_the_refs_bytes_at_any_offset(link):
+    """The server's deferred read (native: event wait + byte-sum kernel; head/tail bytes around
+    16-byte loads) counts exactly the ref's bytes, whatever the offset and length."""
+    device = torch.device("cuda:0")
+    probe = link.transport.probe
+    md = link.metadata + DEFERRED_READ
+    gen = torch.Generator(device).manual_seed(5)
+    cases = [(0, 1), (1, 15), (3, 16), (5, 17), (15, 33), (1, 4095), (0, 1 << 19), (7, (1 << 20) - 7)]
+    expected = []
+    for step, (offset, n) in enumerate(cases):
+        slot = step % probe.slot_count
+        probe.view(slot, torch.uint8, (probe.slot_bytes,)).fill_(0xFF)     # neighbours must not count
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device, generator=gen)
+        ref = probe.put(slot, data, offset)
+        probe.record(slot)
+        expected.append(checksum(data))
+        link.stub.Probe(transport_pb2.ProbeRequest(step_id=step, input=ref), metadata=md, timeout=30)
+        if slot == probe.slot_count - 1 or step == len(cases) - 1:   # a slot is rewritten only after its sums came back
+            reply = link.stub.Probe(transport_pb2.ProbeRequest(echo=True), metadata=md, timeout=30)
+            sums = [int(v) % (1 << 64) for v in link.resolve(reply.output).cpu().tolist()]
+            first = step - slot
+            assert sums[first:step + 1] == expected[first:step + 1], cases[first:step + 1]
+
+
+def test_native_cuda_ops_match_torch():
+    """ddtree._C's transport ops in this process: byte sum at odd offsets and sizes past the
+    grid-stride limit, and event record/wait ordering a side stream's writes."""
+    from ddtree.transport import fastpath
+    if fastpath.CUDA_OPS is None:
+        pytest.skip("ddtree._C without the CUDA transport ops")
+    C, device = fastpath.CUDA_OPS, torch.device("cuda:0")
+    data = torch.randint(0, 256, (9 << 20,), dtype=torch.uint8, device=device)
+    cell = torch.full((), -1, dtype=torch.int64, device=device)
+    stream = fastpath.raw_stream(0)
+    for start, n in [(0, 0), (3, 1), (1, 31), (0, 9 << 20), (13, (9 << 20) - 13), (8, 4097)]:
+        C.transport_wait_byte_sum_cuda(0, stream, 0, data.data_ptr() + start, n, cell.data_ptr())
+        assert int(cell) == int(data[start:start + n].sum(dtype=torch.int64)), (start, n)
+    event = torch.cuda.Event(interprocess=True)
+    event.ipc_handle()                                                  # created
+    side = torch.cuda.Stream(device)
+    target = torch.zeros(1 << 16, dtype=torch.uint8, device=device)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        target.fill_(1)
+        fastpath.record(event, fastpath.event_ptr(event), 0)
+    C.transport_wait_byte_sum_cuda(0, stream, fastpath.event_ptr(event), target.data_ptr(), target.numel(),
+                                   cell.data_ptr())
+    assert int(cell) == target.numel()                                  # waited for the side stream's fill

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 import torch
 from opentelemetry import trace
 
-from ddtree.transport import selftest
+from ddtree.transport import fastpath, selftest
 from ddtree.transport.errors import AttachDenied, BadRegionHandle, BadTensorRef, TransportUnavailable, UnknownPeer
 from ddtree.transport.host import host_id, pid_alive
 from ddtree.transport.memory import SHM_DIR, SHM_PREFIX, shm_owner_pid, unlink_segment
-from ddtree.transport.region import INLINE, KIND_OF_NAME, SHM, ImportedRegion, Region, kind_name
+from ddtree.transport.region import (INLINE, KIND_OF_NAME, SHM, VIEW_CACHE_MAX, ImportedRegion, Region, View,
+                                     kind_name)
 from ddtree.v1 import tensor_pb2, transport_pb2
 
 log = logging.getLogger(__name__)
@@ -54,13 +55,42 @@ class _Peer:
     regions: dict[str, ImportedRegion] = field(default_factory=dict)
     holds: int = 0                       # in-flight uses (PeerScope) keeping its regions mapped
     detached: bool = False
+    # serialized TensorRef (names its region) -> validated View, across the peer's regions: a known
+    # descriptor is one dict lookup, no region lookup. Only when no region is inline (their refs
+    # carry bytes); emptied when the regions are released; cleared when full.
+    views: dict = field(default_factory=dict)
+    zero_copy: bool = False
+
+    def __post_init__(self) -> None:
+        self.zero_copy = all(r.kind != INLINE for r in self.regions.values())
 
 
-def _resolve(peer: _Peer, ref: tensor_pb2.TensorRef) -> torch.Tensor:
+def _view(peer: _Peer, ref: tensor_pb2.TensorRef) -> View | None:
+    """The validated View of `ref` (no stream wait); None for a ref into an inline region."""
+    if peer.zero_copy:
+        key = ref.SerializePartialToString()
+        view = peer.views.get(key)
+        if view is not None:
+            return view
     region = peer.regions.get(ref.region)
     if region is None:
         raise BadTensorRef(f"unknown region {ref.region!r} of peer {peer.peer_id!r}")
-    return region.resolve(ref)
+    view = region.view(ref)   # validated (first sight) or the region's cached View
+    if view is not None and peer.zero_copy:
+        views = peer.views
+        if len(views) >= VIEW_CACHE_MAX:
+            views.clear()
+        views[key] = view
+    return view
+
+
+def _resolve(peer: _Peer, ref: tensor_pb2.TensorRef) -> torch.Tensor:
+    view = _view(peer, ref)
+    if view is None:   # inline: decoded (one copy) onto our device
+        return peer.regions[ref.region].resolve(ref)
+    if view.event is not None:
+        fastpath.wait(view.event, view.event_ptr, view.device_index)
+    return view.tensor
 
 
 class PeerScope:
@@ -81,6 +111,12 @@ class PeerScope:
 
     def resolve(self, ref: tensor_pb2.TensorRef) -> torch.Tensor:
         return _resolve(self.peer, ref)
+
+    def view(self, ref: tensor_pb2.TensorRef) -> View | None:
+        """The validated, cached `View` of `ref` without the stream wait (None for an inline
+        region): for consumers that order their reads themselves (`view.wait()` or a native read
+        on `view.event_ptr`), e.g. the probe's deferred read."""
+        return _view(self.peer, ref)
 
     def for_peer(self, ref: tensor_pb2.TensorRef) -> tensor_pb2.TensorRef:
         return self._transport.for_peer(self.peer_id, ref)
@@ -242,6 +278,7 @@ class Transport:
     def _drop(self, peer: _Peer) -> None:
         peer.detached = True
         if peer.holds == 0:
+            peer.views = {}
             for r in peer.regions.values():
                 r.release()
                 if r.memory is not None and r.memory.alive():

@@ -55,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
     port = server.start()
     server.install_signal_handlers(on_stop=None)
     server.set_serving(True)
+    from ddtree.transport import fastpath
     print(json.dumps({"port": port, "kind": kind_name(transport.kind), "fallback_reason": transport.fallback_reason,
-                      "pid": os.getpid()}), flush=True)
+                      "pid": os.getpid(), "per_step_calls": fastpath.describe()}), flush=True)
     server.wait()
     transport.close()
     return 0

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from ddtree.transport import dtypes
+from ddtree.transport import dtypes, fastpath
 from ddtree.transport.errors import BadRegionHandle, BadTensorRef
 from ddtree.transport.host import host_id
 from ddtree.transport.memory import CudaIpcMemory, LocalMemory, Memory, ShmMemory
@@ -111,7 +111,8 @@ class Region:
             self.memory: Memory = CudaIpcMemory(ordinal, self.byte_size, handle=None)
             with torch.cuda.device(ordinal):
                 self.events = [torch.cuda.Event(interprocess=True) for _ in range(slot_count)]
-                self._event_handles = [e.ipc_handle() for e in self.events]
+                self._event_handles = [e.ipc_handle() for e in self.events]   # creates the events
+            self._event_ptrs = [fastpath.event_ptr(e) for e in self.events]
             from ddtree.transport.cuda_driver import driver
             self.device_uuid = driver().device_uuid(ordinal)
         elif kind == SHM:
@@ -174,7 +175,10 @@ class Region:
         """cuda_ipc: records the slot's interprocess event after the writes queued on `stream`
         (default: current); peers wait on it before reading. No-op for shm/inline (the reply is the fence)."""
         if self.events:
-            self.events[slot].record(stream if stream is not None else torch.cuda.current_stream(self._ordinal))
+            if stream is None:
+                fastpath.record(self.events[slot], self._event_ptrs[slot], self._ordinal)
+            else:
+                self.events[slot].record(stream)
 
     def handle(self, inline: bool = False) -> tensor_pb2.RegionHandle:
         """The RegionHandle peers import once (at Attach); `inline` exports it for a peer that
@@ -220,10 +224,37 @@ def decode_inline(ref: tensor_pb2.TensorRef, where: str, slot_count: int, slot_b
     return flat.view(dtype).view(shape).to(device, non_blocking=True)
 
 
+class View:
+    """One validated descriptor of an imported region (cached per wire bytes): `tensor` (always
+    the same object), the slot's `event` (cuda_ipc; None otherwise) and what native readers need
+    (`data_ptr`, `nbytes`, `event_ptr`, `device_index`: -1 on the host). `wait()` orders the
+    current stream after the producer's writes; `resolve` = view + wait."""
+
+    __slots__ = ("tensor", "event", "event_ptr", "device_index", "data_ptr", "nbytes", "_bytes")
+
+    def __init__(self, tensor: torch.Tensor, event, nbytes: int):
+        self.tensor, self.event, self.nbytes = tensor, event, nbytes
+        self.event_ptr = fastpath.event_ptr(event) if event is not None else 0
+        self.device_index = tensor.device.index if tensor.is_cuda else -1
+        self.data_ptr = tensor.data_ptr()
+        self._bytes = None
+
+    def wait(self) -> None:
+        if self.event is not None:
+            fastpath.wait(self.event, self.event_ptr, self.device_index)
+
+    def bytes(self) -> torch.Tensor:
+        """The tensor's bytes as a flat uint8 view (made once)."""
+        if self._bytes is None:
+            t = self.tensor if self.tensor.is_contiguous() else self.tensor.contiguous()
+            self._bytes = (t.reshape(1) if t.dim() == 0 else t).view(torch.uint8)
+        return self._bytes
+
+
 class ImportedRegion:
     """A peer's region, mapped once; `resolve` turns its TensorRefs into tensors (no copy).
 
-    The first ref with a given descriptor (its wire bytes) is validated in full and its view is
+    The first ref with a given descriptor (its wire bytes) is validated in full and its `View` is
     cached with the slot's event: every later resolve of the same descriptor is one dict lookup
     (+ the stream wait on cuda_ipc). A ref that fails validation is never cached."""
 
@@ -244,8 +275,8 @@ class ImportedRegion:
             self._open_cuda(handle)
         self.flat = self.memory.tensor if self.memory is not None else None
         self._typed = _TypedViews(self.flat) if self.flat is not None else None
-        # serialized TensorRef -> (view, slot event or None); inline regions: never filled
-        self._views: dict[bytes, tuple[torch.Tensor, object]] = {}
+        # serialized TensorRef -> View; inline regions: never filled
+        self._views: dict[bytes, View] = {}
 
     def _open_cuda(self, handle: tensor_pb2.RegionHandle) -> None:
         from ddtree.transport.cuda_driver import CudaDriverError, driver
@@ -275,30 +306,36 @@ class ImportedRegion:
         # the wire bytes are the key (cheaper than reading the fields): equal bytes are an equal
         # descriptor, already validated; a ref with inline_data never matches a cached key
         key = ref.SerializePartialToString()
-        hit = self._views.get(key)
-        if hit is None:
-            return self._resolve_new(ref, key)
-        tensor, event = hit
-        if event is not None:
-            event.wait(torch.cuda.current_stream(self._ordinal))
-        return tensor
+        view = self._views.get(key)
+        if view is None:
+            view = self._new_view(ref, key)
+        if view.event is not None:
+            fastpath.wait(view.event, view.event_ptr, view.device_index)
+        return view.tensor
 
-    def _resolve_new(self, ref: tensor_pb2.TensorRef, key: bytes) -> torch.Tensor:
+    def view(self, ref: tensor_pb2.TensorRef) -> View | None:
+        """The validated, cached `View` of `ref` WITHOUT the stream wait (the caller orders its
+        reads: `view.wait()`, or a native read given `view.event_ptr`); None for an inline region
+        (its refs carry bytes: use `resolve`)."""
+        if self.kind == INLINE:
+            return None
+        key = ref.SerializePartialToString()
+        view = self._views.get(key)
+        return view if view is not None else self._new_view(ref, key)
+
+    def _new_view(self, ref: tensor_pb2.TensorRef, key: bytes) -> View:
         """First sight of a descriptor: full validation, then the view, cached."""
         if ref.inline_data:
             raise BadTensorRef(f"{self.where}: inline_data sent for a {kind_name(self.kind)} region")
         views, typed, events = self._views, self._typed, self.events
         if typed is None:
             raise BadTensorRef(f"{self.where} was released")
-        dtype, shape, start, _ = check_ref(ref, self.where, self.slot_count, self.slot_bytes)
-        tensor = typed(start, dtype, shape)
-        event = events[ref.slot] if events else None
+        dtype, shape, start, nbytes = check_ref(ref, self.where, self.slot_count, self.slot_bytes)
+        view = View(typed(start, dtype, shape), events[ref.slot] if events else None, nbytes)
         if len(views) >= VIEW_CACHE_MAX:
             views.clear()
-        views[key] = (tensor, event)
-        if event is not None:
-            event.wait(torch.cuda.current_stream(self._ordinal))
-        return tensor
+        views[key] = view
+        return view
 
     def release(self) -> None:
         if self.memory is not None:

@@ -11,9 +11,10 @@ from typing import Iterator
 import grpc
 import torch
 
+from ddtree.transport import fastpath
 from ddtree.transport.endpoint import PeerScope, Transport
 from ddtree.transport.errors import TransportError, UnknownPeer
-from ddtree.transport.region import INLINE
+from ddtree.transport.region import View
 from ddtree.v1 import tensor_pb2, transport_pb2, transport_pb2_grpc
 
 PEER_METADATA_KEY = "ddtree-peer-id"
@@ -96,28 +97,37 @@ def _read_mode(context: grpc.ServicerContext) -> bool:
 
 
 class _SumRing:
-    """Per-peer int64 ring of deferred byte sums on one device; `cells` are its 0-d views
-    (made once: no indexing op per step). `bytes_of` caches the uint8 view of each input tensor
-    (resolve returns one cached tensor per descriptor), keyed by id with the tensor held, until
-    the ring is collected."""
+    """Per-peer int64 ring of deferred byte sums on one device (`device_index`: -1 = host).
+    `add` writes the byte sum of a view into cell `index` with one native call where the
+    extension has it (CUDA: wait on the slot event + sum kernel, on the current stream; host:
+    the sum itself), else with torch (event wait + one sum into the cell's 0-d view)."""
 
-    __slots__ = ("bytes_of", "cells", "device", "values")
+    __slots__ = ("cells", "device_index", "ptr", "size", "values")
 
     def __init__(self, size: int, device: torch.device):
-        self.device = device
+        self.device_index = device.index if device.type == "cuda" else -1
+        self.size = size
         self.values = torch.zeros(size, dtype=torch.int64, device=device)
-        self.cells = self.values.unbind(0)
-        self.bytes_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.ptr = self.values.data_ptr()
+        self.cells = self.values.unbind(0)   # 0-d views (torch path: no indexing op per step)
 
-    def byte_view(self, tensor: torch.Tensor) -> torch.Tensor:
-        hit = self.bytes_of.get(id(tensor))
-        if hit is not None and hit[0] is tensor:
-            return hit[1]
-        if len(self.bytes_of) >= 256:
-            self.bytes_of.clear()
-        u8 = _bytes(tensor)
-        self.bytes_of[id(tensor)] = (tensor, u8)
-        return u8
+    def add(self, view: View, step_id: int) -> None:
+        index = step_id % self.size
+        if view.device_index >= 0:
+            ops = fastpath.CUDA_OPS
+            if ops is not None and (view.event is None or view.event_ptr):
+                ops.transport_wait_byte_sum_cuda(view.device_index, fastpath.raw_stream(view.device_index),
+                                                 view.event_ptr, view.data_ptr, view.nbytes, self.ptr + 8 * index)
+                return
+            view.wait()
+        elif fastpath.CPU_OPS is not None:
+            fastpath.CPU_OPS.transport_byte_sum_cpu(view.data_ptr, view.nbytes, self.ptr + 8 * index)
+            return
+        torch.sum(view.bytes(), None, dtype=torch.int64, out=self.cells[index])
+
+    def add_tensor(self, tensor: torch.Tensor, step_id: int) -> None:
+        """A decoded (inline) tensor, new every step: torch."""
+        torch.sum(_bytes(tensor), None, dtype=torch.int64, out=self.cells[step_id % self.size])
 
 
 def checksum(tensor: torch.Tensor) -> int:
@@ -149,11 +159,20 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
         start = time.perf_counter()
         reply = transport_pb2.ProbeReply(step_id=request.step_id)
         if request.HasField("input"):
-            tensor = scope.resolve(request.input)
             if deferred and not request.echo:
-                region = scope.peer.regions.get(request.input.region)   # resolved: it exists
-                self._enqueue_sum(scope.peer_id, request.step_id, tensor, cached=region.kind != INLINE)
+                # the deferred read (the step): the input's cached View, then its byte sum into
+                # ring[step_id % n] on the current stream after the slot's event; nothing waits
+                view = scope.view(request.input)
+                ring = self._sums.get(scope.peer_id)
+                if view is None:   # inline region: decoded (and copied to our device) every step
+                    tensor = scope.resolve(request.input)
+                    self._ring(scope.peer_id, tensor.device).add_tensor(tensor, request.step_id)
+                elif ring is not None and ring.device_index == view.device_index:
+                    ring.add(view, request.step_id)
+                else:
+                    self._ring(scope.peer_id, view.tensor.device).add(view, request.step_id)
             else:
+                tensor = scope.resolve(request.input)
                 reply.checksum = self._read(tensor, reply.timing)
                 if request.echo:
                     reply.output.CopyFrom(scope.for_peer(self._echo(tensor)))
@@ -162,7 +181,6 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
             if ring is not None:
                 reply.output.CopyFrom(scope.for_peer(self._echo(ring.values)))
                 ring.values.zero_()   # same stream, after the copy: the next run starts from zeros
-                ring.bytes_of.clear()
         reply.timing.server_ms = (time.perf_counter() - start) * 1e3
         return reply
 
@@ -174,18 +192,14 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
         probe.record(slot)
         return ref
 
-    def _enqueue_sum(self, peer_id: str, step_id: int, tensor: torch.Tensor, cached: bool) -> None:
-        """Deferred read: the byte sum of every input byte goes to ring[step_id % n] on the
-        current stream (ordered after resolve's event wait); nothing waits for it here.
-        `cached`: `tensor` is a region's cached view (zero-copy kinds), so its uint8 view is
-        cached too; a decoded inline tensor is new every step and is not kept."""
+    def _ring(self, peer_id: str, device: torch.device) -> _SumRing:
         ring = self._sums.get(peer_id)
-        if ring is None or ring.device != tensor.device:
+        index = device.index if device.type == "cuda" else -1
+        if ring is None or ring.device_index != index:
             if len(self._sums) >= 64:   # peers come and go; rings are only for measurement runs
                 self._sums.clear()
-            ring = self._sums[peer_id] = _SumRing(self._ring_size, tensor.device)
-        data = ring.byte_view(tensor) if cached else _bytes(tensor)
-        torch.sum(data, None, dtype=torch.int64, out=ring.cells[step_id % self._ring_size])
+            ring = self._sums[peer_id] = _SumRing(self._ring_size, device)
+        return ring
 
     _events = threading.local()   # per handler thread and device: two reusable timing events
 
