@@ -113,16 +113,19 @@ class _SumRing:
 
     def add(self, view: View, step_id: int) -> None:
         index = step_id % self.size
-        if view.device_index >= 0:
+        device = view.device_index
+        if device >= 0:
             ops = fastpath.CUDA_OPS
-            if ops is not None and (view.event is None or view.event_ptr):
-                ops.transport_wait_byte_sum_cuda(view.device_index, fastpath.raw_stream(view.device_index),
-                                                 view.event_ptr, view.data_ptr, view.nbytes, self.ptr + 8 * index)
+            if ops is not None and (view.event_ptr or view.event is None):
+                ops.transport_wait_byte_sum_cuda(device, fastpath.raw_stream(device), view.event_ptr, view.data_ptr,
+                                                 view.nbytes, self.ptr + 8 * index)
                 return
             view.wait()
-        elif fastpath.CPU_OPS is not None:
-            fastpath.CPU_OPS.transport_byte_sum_cpu(view.data_ptr, view.nbytes, self.ptr + 8 * index)
-            return
+        else:
+            ops = fastpath.CPU_OPS
+            if ops is not None:
+                ops.transport_byte_sum_cpu(view.data_ptr, view.nbytes, self.ptr + 8 * index)
+                return
         torch.sum(view.bytes(), None, dtype=torch.int64, out=self.cells[index])
 
     def add_tensor(self, tensor: torch.Tensor, step_id: int) -> None:
