@@ -106,6 +106,16 @@ __device__ __forceinline__ double reduce_or_double(bool mine, double x) {
   return __longlong_as_double(static_cast<long long>((static_cast<unsigned long long>(hi) << 32) | lo));
 }
 
+// Folds row (s, c) into a running best (score, candidate, "another row has the same score").
+__device__ __forceinline__ void merge_best(double& best, uint32_t& best_cand, bool& best_tie, double s,
+                                           uint32_t c) {
+  best_tie = (best_tie && s <= best) || (s == best && s != -INFINITY);
+  if (s > best) {
+    best = s;
+    best_cand = c;
+  }
+}
+
 // The sequential best-first loop of one warp (the exact algorithm, pop by pop). Node 0 of
 // s_parent/s_rank/s_depth must hold the root. Returns the number of nodes popped. M rows per lane:
 // 32 * M >= budget (every candidate ever inserted has its own slot: the root's first child plus at
@@ -131,41 +141,55 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
   uint32_t best_cand = first_child;
   bool best_tie = false;
   int inserted = 1;  // slots handed out; rows k with 32 * k < inserted are in use
-  const unsigned long long empty_key = score_key(-INFINITY);
+  const unsigned empty_hi = static_cast<unsigned>(score_key(-INFINITY) >> 32);  // only -inf has it
 
   int n = 0;
   while (true) {
-    // The offers of this lane's best, in case it pops (independent of the reductions below).
-    double sibling, child;
-    offer_scores(s_lp, D, K, best, best_cand, sibling, child);
-    // Warp argmax of the lanes' best keys.
+    // Ahead of the reductions (independent of them): the offers of this lane's best, used if it
+    // pops, and the best of its other rows, which then becomes its best.
+    double sibling, my_child;
+    offer_scores(s_lp, D, K, best, best_cand, sibling, my_child);
     const unsigned long long key = score_key(best);
     const unsigned key_hi = static_cast<unsigned>(key >> 32);
     const unsigned top_hi = __reduce_max_sync(kFullMask, key_hi);
-    const unsigned top_lo = __reduce_max_sync(kFullMask, key_hi == top_hi ? static_cast<unsigned>(key) : 0u);
-    const unsigned long long top = (static_cast<unsigned long long>(top_hi) << 32) | top_lo;
-    if (top == empty_key) break;  // the frontier is empty (warp-uniform)
-    const bool mine = key == top;
+    double second = -INFINITY;
+    uint32_t second_cand = first_child;
+    bool second_tie = false;
+#pragma unroll
+    for (int k = 0; k < M; ++k)
+      if (k * kWarp < inserted && cand[k] != best_cand) merge_best(second, second_cand, second_tie, score[k], cand[k]);
+    if (top_hi == empty_hi) break;  // the frontier is empty (warp-uniform)
+    // Usually one lane holds the only best key with this high word: the winner.
+    bool mine = key_hi == top_hi;
     uint32_t head = __reduce_or_sync(kFullMask, mine ? best_cand : 0u);
-    const unsigned rows_at_top = __reduce_add_sync(kFullMask, mine ? 1u + best_tie : 0u);
-    child = reduce_or_double(mine, child);  // the sibling stays in the popping lane
-    if (rows_at_top > 1) {  // exactly equal scores (warp-uniform, rare): the smallest rank path
-      __syncwarp();         // nodes 1..n are visible to the tie-breaks
-      const double top_score = key_double(top);
-      uint32_t m = kNoCandidate;
+    unsigned rows_at_top = __reduce_add_sync(kFullMask, mine ? 1u + best_tie : 0u);
+    double child = reduce_or_double(mine, my_child);  // the sibling stays in the popping lane
+    const bool unique = rows_at_top == 1;   // warp-uniform
+    if (!unique) {  // several lanes share the high word, or the winner's rows tie: the full key
+      const unsigned top_lo = __reduce_max_sync(kFullMask, mine ? static_cast<unsigned>(key) : 0u);
+      const unsigned long long top = (static_cast<unsigned long long>(top_hi) << 32) | top_lo;
+      mine = key == top;
+      head = __reduce_or_sync(kFullMask, mine ? best_cand : 0u);
+      rows_at_top = __reduce_add_sync(kFullMask, mine ? 1u + best_tie : 0u);
+      child = reduce_or_double(mine, my_child);
+      if (rows_at_top > 1) {  // exactly equal scores (warp-uniform, rare): the smallest rank path
+        __syncwarp();         // nodes 1..n are visible to the tie-breaks
+        const double top_score = key_double(top);
+        uint32_t m = kNoCandidate;
 #pragma unroll
-      for (int k = 0; k < M; ++k)
-        if (k * kWarp < inserted && cand[k] != kNoCandidate && score[k] == top_score &&
-            (m == kNoCandidate || tie_pops_before(cand[k], m, s_parent, s_rank)))
-          m = cand[k];
+        for (int k = 0; k < M; ++k)
+          if (k * kWarp < inserted && cand[k] != kNoCandidate && score[k] == top_score &&
+              (m == kNoCandidate || tie_pops_before(cand[k], m, s_parent, s_rank)))
+            m = cand[k];
 #pragma unroll
-      for (int o = kWarp / 2; o > 0; o /= 2) {
-        const uint32_t other = __shfl_xor_sync(kFullMask, m, o);
-        if (other != kNoCandidate && (m == kNoCandidate || tie_pops_before(other, m, s_parent, s_rank)))
-          m = other;
+        for (int o = kWarp / 2; o > 0; o /= 2) {
+          const uint32_t other = __shfl_xor_sync(kFullMask, m, o);
+          if (other != kNoCandidate && (m == kNoCandidate || tie_pops_before(other, m, s_parent, s_rank)))
+            m = other;
+        }
+        head = m;  // the same in every lane
+        offer_scores(s_lp, D, K, top_score, head, sibling, child);
       }
-      head = m;  // the same in every lane
-      offer_scores(s_lp, D, K, top_score, head, sibling, child);
     }
     ++n;
     const int p = candidate_parent(head), r = candidate_rank(head), d = candidate_depth(head);
@@ -184,9 +208,6 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
     const bool child_here = insert && lane == slot % kWarp;
     const int child_row = slot / kWarp;
     const uint32_t child_cand = pack_candidate(n, 0, d + 1);
-    best = -INFINITY;
-    best_cand = first_child;
-    best_tie = false;
 #pragma unroll
     for (int k = 0; k < M; ++k) {
       if (k * kWarp < inserted) {  // warp-uniform
@@ -198,13 +219,24 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
           score[k] = child;
           cand[k] = child_cand;
         }
-        const double s = score[k];
-        best_tie = (best_tie && s <= best) || (s == best && s != -INFINITY);
-        if (s > best) {
-          best = s;
-          best_cand = cand[k];
-        }
       }
+    }
+    // The lanes' new bests: the winner's is its second best or the sibling; the child merges in.
+    if (unique) {
+      if (mine) {
+        best = second;
+        best_cand = second_cand;
+        best_tie = second_tie;
+        merge_best(best, best_cand, best_tie, sibling, sibling_cand);
+      }
+      if (child_here) merge_best(best, best_cand, best_tie, child, child_cand);
+    } else {  // after the slow path: every lane rescans its rows
+      best = -INFINITY;
+      best_cand = first_child;
+      best_tie = false;
+#pragma unroll
+      for (int k = 0; k < M; ++k)
+        if (k * kWarp < inserted) merge_best(best, best_cand, best_tie, score[k], cand[k]);
     }
   }
   __syncwarp();
