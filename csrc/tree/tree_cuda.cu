@@ -2,14 +2,15 @@
 //
 // Build (warp kernel): one block of kBuildThreads per request; all threads stage and check the
 // log-probs and write the outputs, warp 0 runs the best-first loop. The loop keeps the frontier
-// UNSORTED in registers: slot i (the i-th candidate ever inserted) is row i / 32 of lane i % 32,
-// and a popped candidate's next sibling takes over its slot, so a slot is written at most
-// once per pop. Each lane keeps the best of its rows and that best's two offers (computed ahead,
-// off the critical path). A pop is a warp argmax of the lanes' bests as order-preserving 64-bit
-// keys (two __reduce_max_sync: high word, then low word among the lanes that match), then the
-// winner's candidate and offers by __reduce_or_sync; two or more frontier rows with exactly the
-// top score take a rare warp-uniform path that compares rank paths. The block kernel (below)
-// falls back to the same loop.
+// UNSORTED in registers: slot i (the i-th candidate ever inserted) is row i / 32 of lane i % 32;
+// a popped candidate's next sibling takes over its slot and its first child gets the next slot.
+// Each lane keeps the best of its rows. A pop is a warp argmax of the lanes' bests as
+// order-preserving 64-bit keys: __reduce_max_sync of the high words; when one lane holds that
+// high word and no other row of it ties, that lane wins and __reduce_or_sync broadcasts its
+// candidate and its child's score (both computed ahead, off the critical path, as is the best
+// of its other rows, its next best). Otherwise a second reduction on the low words, and, for
+// two or more rows with exactly the top score, a rare warp-uniform path comparing rank paths.
+// The block kernel (below) falls back to the same loop.
 #ifndef DDTREE_TREE_EMULATION  // tree_cuda_emulate.cc compiles the build kernels as host C++
 #include <cuda_runtime.h>
 #define DDTREE_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
