@@ -116,7 +116,7 @@ def test_cuda_bad_values_reported_by_status_and_raised_when_checked(kernel):
 
 
 def test_cuda_warp_kernel_and_block_kernel_agree():
-    """cuda_kernel="warp" (the unsorted-frontier loop, also the block kernel's fallback) on its own."""
+    """cuda_kernel="warp" (the sequential loop, also the block kernel's fallback) on its own."""
     gen = torch.Generator().manual_seed(11)
     for ties, shape in [(False, (256, 16, 64, 64)), (True, (128, 16, 32, 100)), (False, (64, 16, 256, 256))]:
         batch, depth, topk, budget = shape
@@ -128,9 +128,9 @@ def test_cuda_warp_kernel_and_block_kernel_agree():
 
 @pytest.mark.parametrize("kernel", ["block", "warp"])
 def test_cuda_exact_ties_and_signed_zeros(kernel):
-    """Few distinct values, +0.0 next to -0.0 (equal scores, different bits): the warp loop's
-    argmax keys must treat them as one score and break the tie by rank path, across lanes and
-    within one lane's rows (budgets past 32 slots), and past the reachable node count."""
+    """Few distinct values, +0.0 next to -0.0 (equal scores, different bits): both kernels must
+    treat them as one score and break the tie by rank path, across lanes and frontier rows
+    (budgets past 32 slots), and past the reachable node count."""
     gen = torch.Generator().manual_seed(17)
     values = torch.tensor([0.0, -0.0, -0.0, -0.5, -1.0])
     for batch, depth, topk, budget in [(64, 8, 2, 40), (64, 16, 8, 100), (32, 16, 64, 300), (8, 16, 128, 1024),

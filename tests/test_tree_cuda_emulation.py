@@ -41,8 +41,8 @@ def test_emulated_cuda_build_matches_cpu_backend(emulator, seed):
 
 @pytest.mark.parametrize("seed", [2])
 def test_emulated_warp_kernel_matches_cpu_backend(emulator, seed):
-    """The warp kernel alone (its unsorted-frontier loop is also the block kernel's fallback) on
-    every case: ties within a lane's rows and across lanes, signed zeros, budgets up to 1024."""
+    """The warp kernel alone (its loop is also the block kernel's fallback) on
+    every case: exact ties across lanes and frontier rows, signed zeros, budgets up to 1024."""
     run = subprocess.run([str(emulator), str(2 * CASES), str(seed), "warp"], capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -1,16 +1,11 @@
-// CUDA backend: no host synchronisation, capturable in a CUDA graph.
+// CUDA backend: one warp per request, no host synchronisation, capturable in a CUDA graph.
 //
-// Build (warp kernel): one block of kBuildThreads per request; all threads stage and check the
-// log-probs and write the outputs, warp 0 runs the best-first loop. The loop keeps the frontier
-// UNSORTED in registers: slot i (the i-th candidate ever inserted) is row i / 32 of lane i % 32;
-// a popped candidate's next sibling takes over its slot and its first child gets the next slot.
-// Each lane keeps the best of its rows. A pop is a warp argmax of the lanes' bests as
-// order-preserving 64-bit keys: __reduce_max_sync of the high words; when one lane holds that
-// high word and no other row of it ties, that lane wins and __reduce_or_sync broadcasts its
-// candidate and its child's score (both computed ahead, off the critical path, as is the best
-// of its other rows, its next best). Otherwise a second reduction on the low words, and, for
-// two or more rows with exactly the top score, a rare warp-uniform path comparing rank paths.
-// The block kernel (below) falls back to the same loop.
+// Build keeps the frontier as one array in pop order, in registers, strided over the warp
+// (position j = 32 * k + lane in row k). A pop takes position 0; its two offers find their
+// positions with one warp reduction each (compares are branch-free; exactly equal scores take
+// a rare warp-uniform path through the rank paths) and the array shifts by at most one place
+// through lane shuffles. Rows past the live frontier are skipped, so a pop costs a few dozen
+// instructions per live row and no memory traffic beyond the log-prob reads in shared memory.
 #ifndef DDTREE_TREE_EMULATION  // tree_cuda_emulate.cc compiles the build kernels as host C++
 #include <cuda_runtime.h>
 #define DDTREE_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
@@ -31,9 +26,8 @@ namespace {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kWarp = 32;
-constexpr int kBuildThreads = 128;  // warp kernel: staging and outputs; warp 0 runs the loop
+constexpr int kNoPosition = 1 << 30;
 constexpr size_t kDefaultSharedLimit = 48 * 1024;
-constexpr uint32_t kNoCandidate = 0xffffffffu;  // an empty frontier slot (never a packed candidate)
 
 #ifndef DDTREE_TREE_EMULATION
 void check_cuda(cudaError_t err, const char* what) {
@@ -57,23 +51,6 @@ struct BuildShared {
   }
 };
 
-// Frontier rows per lane of the warp loop: every candidate ever inserted has its own slot, and a
-// build of `budget` nodes inserts at most budget of them.
-inline int frontier_rows(int max_budget) { return (max_budget + kWarp - 1) / kWarp; }
-
-// Doubles as unsigned keys in the same order (no NaN here).
-__device__ __forceinline__ unsigned long long order_key(double x) {
-  const unsigned long long k = static_cast<unsigned long long>(__double_as_longlong(x));
-  return (k >> 63) ? ~k : (k | 0x8000000000000000ull);
-}
-__device__ __forceinline__ double key_double(unsigned long long k) {
-  return __longlong_as_double(static_cast<long long>((k >> 63) ? (k & 0x7fffffffffffffffull) : ~k));
-}
-// The key of a frontier score: -0.0 and +0.0 compare equal, so both map to the key of +0.0.
-// (Scores that differ only in the sign of a zero give offers that differ at most in the sign of
-// a zero, so no comparison, hence no tree, depends on which one a pop carries on.)
-__device__ __forceinline__ unsigned long long score_key(double x) { return order_key(x == 0.0 ? 0.0 : x); }
-
 // Exactly equal scores: compare rank paths (rare on real log-probs; kept out of line so the
 // common path stays small).
 __device__ __noinline__ bool tie_pops_before(uint32_t ca, uint32_t cb, const int16_t* parent,
@@ -83,115 +60,32 @@ __device__ __noinline__ bool tie_pops_before(uint32_t ca, uint32_t cb, const int
                         rank);
 }
 
-// The two offers of candidate c with score s, in the contract's float64 operation order: the next
-// sibling (s - lp[d-1][r]) + lp[d-1][r+1] and the first child s + lp[d][0]; -inf where there is
-// none. Loads are clamped so they are unconditional and in bounds for any packed candidate of
-// this request.
-template <typename Staged>
-__device__ __forceinline__ void offer_scores(const Staged* s_lp, int D, int K, double s, uint32_t c,
-                                             double& sibling, double& child) {
-  const int r = candidate_rank(c), d = candidate_depth(c);
-  const bool has_sibling = r + 1 < K, has_child = d < D;
-  const Staged* row = s_lp + (d - 1) * K;
-  const double here = static_cast<double>(row[r]);
-  const double next = static_cast<double>(row[has_sibling ? r + 1 : r]);
-  const double first = static_cast<double>(s_lp[has_child ? d * K : 0]);
-  sibling = has_sibling ? (s - here) + next : -INFINITY;
-  child = has_child ? s + first : -INFINITY;
-}
-
-__device__ __forceinline__ double reduce_or_double(bool mine, double x) {
-  const unsigned long long bits = mine ? static_cast<unsigned long long>(__double_as_longlong(x)) : 0ull;
-  const unsigned hi = __reduce_or_sync(kFullMask, static_cast<unsigned>(bits >> 32));
-  const unsigned lo = __reduce_or_sync(kFullMask, static_cast<unsigned>(bits));
-  return __longlong_as_double(static_cast<long long>((static_cast<unsigned long long>(hi) << 32) | lo));
-}
-
-// Folds row (s, c) into a running best (score, candidate, "another row has the same score").
-__device__ __forceinline__ void merge_best(double& best, uint32_t& best_cand, bool& best_tie, double s,
-                                           uint32_t c) {
-  best_tie = (best_tie && s <= best) || (s == best && s != -INFINITY);
-  if (s > best) {
-    best = s;
-    best_cand = c;
-  }
-}
 
 // The sequential best-first loop of one warp (the exact algorithm, pop by pop). Node 0 of
-// s_parent/s_rank/s_depth must hold the root. Returns the number of nodes popped. M rows per lane:
-// 32 * M >= budget (every candidate ever inserted has its own slot: the root's first child plus at
-// most one child per pop before the last).
+// s_parent/s_rank/s_depth must hold the root. Returns the number of nodes popped.
 template <int M, typename Staged>
 __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t* s_parent,
                           int16_t* s_rank, int8_t* s_depth, int lane) {
+  // Frontier position j = k * 32 + lane lives in score[k] / cand[k]; positions < live are
+  // valid, in pop order. live <= min(32 * M, budget - n): later positions could never pop.
   double score[M];
   uint32_t cand[M];
 #pragma unroll
   for (int k = 0; k < M; ++k) {
-    score[k] = -INFINITY;
-    cand[k] = kNoCandidate;
+    score[k] = 0.0;
+    cand[k] = 0;
   }
-  const uint32_t first_child = pack_candidate(0, 0, 1);
   if (lane == 0) {
     score[0] = static_cast<double>(s_lp[0]);
-    cand[0] = first_child;
+    cand[0] = pack_candidate(0, 0, 1);
   }
-  // This lane's best row: its score and candidate (first_child with score -inf for none: a
-  // harmless stand-in for the offers' loads), and whether another row holds the same score.
-  double best = score[0];
-  uint32_t best_cand = first_child;
-  bool best_tie = false;
-  int inserted = 1;  // slots handed out; rows k with 32 * k < inserted are in use
-  const unsigned empty_hi = static_cast<unsigned>(score_key(-INFINITY) >> 32);  // only -inf has it
+  int live = 1;
+  const int up_lane = (lane + kWarp - 1) % kWarp, down_lane = (lane + 1) % kWarp;
 
   int n = 0;
-  while (true) {
-    // Ahead of the reductions (independent of them): the offers of this lane's best, used if it
-    // pops, and the best of its other rows, which then becomes its best.
-    double sibling, my_child;
-    offer_scores(s_lp, D, K, best, best_cand, sibling, my_child);
-    const unsigned long long key = score_key(best);
-    const unsigned key_hi = static_cast<unsigned>(key >> 32);
-    const unsigned top_hi = __reduce_max_sync(kFullMask, key_hi);
-    double second = -INFINITY;
-    uint32_t second_cand = first_child;
-    bool second_tie = false;
-#pragma unroll
-    for (int k = 0; k < M; ++k)
-      if (k * kWarp < inserted && cand[k] != best_cand) merge_best(second, second_cand, second_tie, score[k], cand[k]);
-    if (top_hi == empty_hi) break;  // the frontier is empty (warp-uniform)
-    // Usually one lane holds the only best key with this high word: the winner.
-    bool mine = key_hi == top_hi;
-    uint32_t head = __reduce_or_sync(kFullMask, mine ? best_cand : 0u);
-    unsigned rows_at_top = __reduce_add_sync(kFullMask, mine ? 1u + best_tie : 0u);
-    double child = reduce_or_double(mine, my_child);  // the sibling stays in the popping lane
-    const bool unique = rows_at_top == 1;   // warp-uniform
-    if (!unique) {  // several lanes share the high word, or the winner's rows tie: the full key
-      const unsigned top_lo = __reduce_max_sync(kFullMask, mine ? static_cast<unsigned>(key) : 0u);
-      const unsigned long long top = (static_cast<unsigned long long>(top_hi) << 32) | top_lo;
-      mine = key == top;
-      head = __reduce_or_sync(kFullMask, mine ? best_cand : 0u);
-      rows_at_top = __reduce_add_sync(kFullMask, mine ? 1u + best_tie : 0u);
-      child = reduce_or_double(mine, my_child);
-      if (rows_at_top > 1) {  // exactly equal scores (warp-uniform, rare): the smallest rank path
-        __syncwarp();         // nodes 1..n are visible to the tie-breaks
-        const double top_score = key_double(top);
-        uint32_t m = kNoCandidate;
-#pragma unroll
-        for (int k = 0; k < M; ++k)
-          if (k * kWarp < inserted && cand[k] != kNoCandidate && score[k] == top_score &&
-              (m == kNoCandidate || tie_pops_before(cand[k], m, s_parent, s_rank)))
-            m = cand[k];
-#pragma unroll
-        for (int o = kWarp / 2; o > 0; o /= 2) {
-          const uint32_t other = __shfl_xor_sync(kFullMask, m, o);
-          if (other != kNoCandidate && (m == kNoCandidate || tie_pops_before(other, m, s_parent, s_rank)))
-            m = other;
-        }
-        head = m;  // the same in every lane
-        offer_scores(s_lp, D, K, top_score, head, sibling, child);
-      }
-    }
+  while (n < budget && live > 0) {
+    const double head_score = __shfl_sync(kFullMask, score[0], 0);
+    const uint32_t head = __shfl_sync(kFullMask, cand[0], 0);
     ++n;
     const int p = candidate_parent(head), r = candidate_rank(head), d = candidate_depth(head);
     if (lane == 0) {
@@ -199,53 +93,103 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
       s_rank[n] = static_cast<int16_t>(r);
       s_depth[n] = static_cast<int8_t>(d);
     }
-    if (n == budget) break;
-    // The sibling takes over the popped slot (in the lane holding `head`, the one lane whose
-    // `sibling` is head's: candidates are unique); the child gets the next slot.
-    const uint32_t sibling_cand = r + 1 < K ? pack_candidate(p, r + 1, d) : kNoCandidate;
-    const bool insert = d < D;
-    const int slot = inserted;
-    inserted += insert;
-    const bool child_here = insert && lane == slot % kWarp;
-    const int child_row = slot / kWarp;
-    const uint32_t child_cand = pack_candidate(n, 0, d + 1);
+    // The two offers, in the contract's float64 operation order (indices clamped so the
+    // loads are unconditional; an offer that does not exist is dropped below).
+    const bool has_sibling = r + 1 < K, has_child = d < D;
+    const Staged* row = s_lp + (d - 1) * K;
+    double sibling = head_score - static_cast<double>(row[r]);
+    sibling = sibling + static_cast<double>(row[has_sibling ? r + 1 : r]);
+    const double child = head_score + static_cast<double>(s_lp[has_child ? d * K : 0]);
+    // On equal scores the child (path p + [r, 0]) sorts before the sibling (p + [r + 1]).
+    const bool child_first = has_child && (!has_sibling || child >= sibling);
+    const int offers = has_child + has_sibling;
+    const double s1 = child_first ? child : sibling, s2 = child_first ? sibling : child;
+    const uint32_t c1 = child_first ? pack_candidate(n, 0, d + 1) : pack_candidate(p, r + 1, d);
+    const uint32_t c2 = child_first ? pack_candidate(p, r + 1, d) : pack_candidate(n, 0, d + 1);
+
+    // Positions of the offers among the frontier without its head: count what pops first.
+    bool ahead1[M], ahead2[M];
+    bool tie = false;
 #pragma unroll
     for (int k = 0; k < M; ++k) {
-      if (k * kWarp < inserted) {  // warp-uniform
-        if (cand[k] == head) {
-          score[k] = sibling;
-          cand[k] = sibling_cand;
-        }
-        if (child_here && k == child_row) {
-          score[k] = child;
-          cand[k] = child_cand;
-        }
-      }
+      const int j = k * kWarp + lane;
+      const bool valid = j > 0 && j < live;
+      ahead1[k] = valid && score[k] > s1;
+      ahead2[k] = valid && score[k] > s2;
+      tie |= valid && ((offers >= 1 && score[k] == s1) || (offers >= 2 && score[k] == s2));
     }
-    // The lanes' new bests: the winner's is its second best or the sibling; the child merges in.
-    if (unique) {
-      if (mine) {
-        best = second;
-        best_cand = second_cand;
-        best_tie = second_tie;
-        merge_best(best, best_cand, best_tie, sibling, sibling_cand);
-      }
-      if (child_here) merge_best(best, best_cand, best_tie, child, child_cand);
-    } else {  // after the slow path: every lane rescans its rows
-      best = -INFINITY;
-      best_cand = first_child;
-      best_tie = false;
+    if (__any_sync(kFullMask, tie)) {  // exactly equal scores: compare rank paths (rare)
+      __syncwarp();                    // node n is visible to the tie-breaks
 #pragma unroll
-      for (int k = 0; k < M; ++k)
-        if (k * kWarp < inserted) merge_best(best, best_cand, best_tie, score[k], cand[k]);
+      for (int k = 0; k < M; ++k) {
+        const int j = k * kWarp + lane;
+        if (j > 0 && j < live) {
+          if (offers >= 1 && score[k] == s1) ahead1[k] = tie_pops_before(cand[k], c1, s_parent, s_rank);
+          if (offers >= 2 && score[k] == s2) ahead2[k] = tie_pops_before(cand[k], c2, s_parent, s_rank);
+        }
+      }
     }
+    int q1 = 0, q2 = 1;  // s1 goes before s2
+#pragma unroll
+    for (int k = 0; k < M; ++k) {
+      if (k * kWarp < live) {
+        q1 += __popc(__ballot_sync(kFullMask, ahead1[k]));
+        q2 += __popc(__ballot_sync(kFullMask, ahead2[k]));
+      }
+    }
+    if (offers < 1) q1 = kNoPosition;
+    if (offers < 2) q2 = kNoPosition;
+    const int next_live = min(min(live - 1 + offers, M * kWarp), budget - n);
+
+    // Shift: new[j] = old[j+1] before q1, s1 at q1, old[j] up to q2, s2 at q2, old[j-1] after.
+    // old[j-1] / old[j+1] come from the neighbour lane (row k-1 / k+1 across the warp edge).
+    double up_s_prev = 0.0, down_s = 0.0;
+    uint32_t up_c_prev = 0, down_c = 0;
+    down_s = __shfl_sync(kFullMask, score[0], down_lane);
+    down_c = __shfl_sync(kFullMask, cand[0], down_lane);
+#pragma unroll
+    for (int k = 0; k < M; ++k) {
+      if (k * kWarp < next_live) {
+        const double old_s = score[k];
+        const uint32_t old_c = cand[k];
+        const double up_s = __shfl_sync(kFullMask, old_s, up_lane);
+        const uint32_t up_c = __shfl_sync(kFullMask, old_c, up_lane);
+        double down_next_s = 0.0;
+        uint32_t down_next_c = 0;
+        if (k + 1 < M) {
+          down_next_s = __shfl_sync(kFullMask, score[k + 1], down_lane);
+          down_next_c = __shfl_sync(kFullMask, cand[k + 1], down_lane);
+        }
+        const double below_s = lane == 0 ? up_s_prev : up_s;  // old[j-1]
+        const uint32_t below_c = lane == 0 ? up_c_prev : up_c;
+        const double above_s = lane == kWarp - 1 ? down_next_s : down_s;  // old[j+1]
+        const uint32_t above_c = lane == kWarp - 1 ? down_next_c : down_c;
+        const int j = k * kWarp + lane;
+        double new_s = j < q1 ? above_s : (j < q2 ? old_s : below_s);
+        uint32_t new_c = j < q1 ? above_c : (j < q2 ? old_c : below_c);
+        if (j == q1) {
+          new_s = s1;
+          new_c = c1;
+        }
+        if (j == q2) {
+          new_s = s2;
+          new_c = c2;
+        }
+        score[k] = new_s;
+        cand[k] = new_c;
+        up_s_prev = up_s;
+        up_c_prev = up_c;
+        down_s = down_next_s;
+        down_c = down_next_c;
+      }
+    }
+    live = next_live;
   }
   __syncwarp();
   return n;
 }
 
-// Outputs of request b, padding included, by threads tid = 0..nthreads-1. Mask row i: one walk
-// up i's ancestors (indices fall along the walk), filling its words from the last down.
+// Outputs of request b, padding included, by threads tid = 0..nthreads-1.
 __device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int b, int n,
                               int32_t status, const int16_t* s_parent, const int16_t* s_rank,
                               const int8_t* s_depth, int tid, int nthreads) {
@@ -267,15 +211,14 @@ __device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int 
     }
   }
   for (int i = tid; i <= N; i += nthreads) parents[i] = (i >= 1 && i <= n) ? s_parent[i] : -1;
-  for (int row = tid; row <= N; row += nthreads) {
-    uint64_t* words = mask + static_cast<long>(row) * W;
-    int v = row <= n ? row : -1;  // the root's parent is -1
-    for (int w = W - 1; w >= 0; --w) {
-      const int lo = w * 64;
-      uint64_t bits = 0;
-      for (; v >= lo; v = s_parent[v]) bits |= uint64_t{1} << (v - lo);
-      words[w] = bits;
-    }
+  // Row i, word w: the ancestors of i (parents have smaller indices) that fall in the word.
+  for (int idx = tid; idx < (N + 1) * W; idx += nthreads) {
+    const int row = idx / W, lo = (idx - row * W) * 64;
+    uint64_t bits = 0;
+    if (row <= n)
+      for (int v = row; v >= lo; v = s_parent[v])
+        if (v < lo + 64) bits |= uint64_t{1} << (v - lo);
+    mask[idx] = bits;
   }
   if (tid == 0) {
     out.num_nodes[b] = n;
@@ -283,12 +226,12 @@ __device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int 
   }
 }
 
+
 template <int M, typename Staged>
-__global__ void __launch_bounds__(kBuildThreads) build_kernel(BuildArgs in, BuildOutputs out) {
+__global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs out) {
   DDTREE_DYNAMIC_SMEM(smem);
-  __shared__ int s_nodes;
   const int D = in.depth, K = in.topk, N = in.max_budget;
-  const int b = blockIdx.x, tid = threadIdx.x;
+  const int b = blockIdx.x, lane = threadIdx.x;
   const BuildShared layout(D, K, N, sizeof(Staged));
   Staged* s_lp = reinterpret_cast<Staged*>(smem);
   int16_t* s_parent = reinterpret_cast<int16_t*>(smem + layout.parent_offset);
@@ -303,7 +246,7 @@ __global__ void __launch_bounds__(kBuildThreads) build_kernel(BuildArgs in, Buil
   if (vectorized) {  // a float4 never straddles two rows
     const float4* lp4 = reinterpret_cast<const float4*>(lp);
 #pragma unroll 4
-    for (int i = tid; i < numel / 4; i += kBuildThreads) {
+    for (int i = lane; i < numel / 4; i += kWarp) {
       const float4 v = __ldg(lp4 + i);
       s_lp[4 * i] = v.x;
       s_lp[4 * i + 1] = v.y;
@@ -313,34 +256,32 @@ __global__ void __launch_bounds__(kBuildThreads) build_kernel(BuildArgs in, Buil
       unordered |= v.x < v.y || v.y < v.z || v.z < v.w;
     }
   } else {
-    for (int i = tid; i < numel; i += kBuildThreads) {
+    for (int i = lane; i < numel; i += kWarp) {
       const float v = __ldg(lp + i);
       s_lp[i] = v;
       nonfinite |= !isfinite(v);
     }
   }
-  if (tid == 0) {
+  if (lane == 0) {
     s_parent[0] = -1;
     s_rank[0] = 0;
     s_depth[0] = 0;
   }
-  __syncthreads();
+  __syncwarp();
   const int step = vectorized ? 4 : 1;  // pairs (i - 1, i) left to compare: i % step == 0
-  for (int i = tid * step; i < numel; i += kBuildThreads * step)
+  for (int i = lane * step; i < numel; i += kWarp * step)
     if (i % K != 0) unordered |= s_lp[i - 1] < s_lp[i];
 
   const int budget = in.budgets ? in.budgets[b] : N;
   int32_t status = kOk;
-  if (__syncthreads_or(nonfinite)) status = kNonFinite;
-  else if (__syncthreads_or(unordered)) status = kNotDescending;
+  if (__any_sync(kFullMask, nonfinite)) status = kNonFinite;
+  else if (__any_sync(kFullMask, unordered)) status = kNotDescending;
   if (budget < 1 || budget > N) status = kBadBudget;
 
-  if (tid < kWarp) {
-    const int n = status == kOk ? warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, tid) : 0;
-    if (tid == 0) s_nodes = n;
-  }
-  __syncthreads();
-  write_outputs(in, out, b, s_nodes, status, s_parent, s_rank, s_depth, tid, kBuildThreads);
+  int n = 0;
+  if (status == kOk) n = warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, lane);
+  __syncwarp();
+  write_outputs(in, out, b, n, status, s_parent, s_rank, s_depth, lane, kWarp);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -416,6 +357,15 @@ struct BlockScalars {
   unsigned int abs_max;  // float bits of max |lp|
 };
 static_assert(sizeof(BlockScalars) <= 2048, "static shared memory beyond kBlockSharedLimit's margin");
+
+// Doubles as unsigned keys in the same order (no NaN here).
+__device__ __forceinline__ unsigned long long order_key(double x) {
+  const unsigned long long k = static_cast<unsigned long long>(__double_as_longlong(x));
+  return (k >> 63) ? ~k : (k | 0x8000000000000000ull);
+}
+__device__ __forceinline__ double key_double(unsigned long long k) {
+  return __longlong_as_double(static_cast<long long>((k >> 63) ? (k & 0x7fffffffffffffffull) : ~k));
+}
 
 // Inclusive prefix sum of v over the block; *total gets the sum. Contains two __syncthreads.
 __device__ int block_inclusive_scan(int v, BlockScalars& sh, int* total) {
@@ -826,7 +776,7 @@ void launch_build_staged(const BuildArgs& in, const BuildOutputs& out, cudaStrea
     check_cuda(cudaFuncSetAttribute(build_kernel<M, Staged>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)),
                "build (shared memory opt-in)");
-  build_kernel<M, Staged><<<in.batch, kBuildThreads, smem, stream>>>(in, out);
+  build_kernel<M, Staged><<<in.batch, kWarp, smem, stream>>>(in, out);
   check_cuda(cudaGetLastError(), "build");
 }
 
@@ -861,6 +811,9 @@ bool launch_block(const BuildArgs& in, const BuildOutputs& out, cudaStream_t str
   return launch_block_staged<M, float>(in, out, stream);
 }
 
+// Frontier rows of the warp loop: after n pops the frontier holds <= n + 1 candidates, and only
+// positions < budget - n can still pop, so ceil(budget / 2) slots always suffice.
+int frontier_rows(int max_budget) { return ((max_budget + 1) / 2 + kWarp - 1) / kWarp; }
 #endif  // DDTREE_TREE_EMULATION
 
 }  // namespace
@@ -872,21 +825,22 @@ void build_trees_cuda_warp(const BuildArgs& in, const BuildOutputs& out, void* s
   const int rows = frontier_rows(in.max_budget);
   if (rows <= 1) launch_build<1>(in, out, stream);
   else if (rows <= 2) launch_build<2>(in, out, stream);
+  else if (rows <= 3) launch_build<3>(in, out, stream);
   else if (rows <= 4) launch_build<4>(in, out, stream);
+  else if (rows <= 6) launch_build<6>(in, out, stream);
   else if (rows <= 8) launch_build<8>(in, out, stream);
-  else if (rows <= 16) launch_build<16>(in, out, stream);
-  else launch_build<32>(in, out, stream);
+  else if (rows <= 12) launch_build<12>(in, out, stream);
+  else launch_build<16>(in, out, stream);
 }
 
 void build_trees_cuda(const BuildArgs& in, const BuildOutputs& out, void* stream_handle) {
   auto stream = static_cast<cudaStream_t>(stream_handle);
-  // The block kernel's fallback loop uses 32, 64, 256 or 1024 frontier slots.
+  // The block kernel's fallback loop uses 32, 128 or 512 frontier slots.
   const int rows = frontier_rows(in.max_budget);
   bool launched;
   if (rows <= 1) launched = launch_block<1>(in, out, stream);
-  else if (rows <= 2) launched = launch_block<2>(in, out, stream);
-  else if (rows <= 8) launched = launch_block<8>(in, out, stream);
-  else launched = launch_block<32>(in, out, stream);
+  else if (rows <= 4) launched = launch_block<4>(in, out, stream);
+  else launched = launch_block<16>(in, out, stream);
   if (!launched) build_trees_cuda_warp(in, out, stream_handle);
 }
 

@@ -75,17 +75,6 @@ inline unsigned ballot(bool p) {
   warp_barrier().arrive_and_wait();
   return bits;
 }
-// __reduce_{max,or,add}_sync over the warp.
-template <typename F>
-unsigned warp_reduce(unsigned v, F op) {
-  const int base = tid / kWarpSize * kWarpSize;
-  current->exchange[tid] = v;
-  warp_barrier().arrive_and_wait();
-  unsigned r = static_cast<unsigned>(current->exchange[base]);
-  for (int l = 1; l < kWarpSize; ++l) r = op(r, static_cast<unsigned>(current->exchange[base + l]));
-  warp_barrier().arrive_and_wait();
-  return r;
-}
 inline int block_reduce(int p, bool want_and) {
   current->block_barrier->arrive_and_wait();  // the exchange slots are free
   current->exchange[tid] = p ? 1 : 0;
@@ -174,19 +163,6 @@ inline T __shfl_up_sync(unsigned, T v, unsigned delta) {
   const int lane = emu::tid % emu::kWarpSize;
   const T r = emu::shfl(v, lane - static_cast<int>(delta));
   return lane >= static_cast<int>(delta) ? r : v;
-}
-template <typename T>
-inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
-  return emu::shfl(v, (emu::tid % emu::kWarpSize) ^ lane_mask);
-}
-inline unsigned __reduce_max_sync(unsigned, unsigned v) {
-  return emu::warp_reduce(v, [](unsigned a, unsigned b) { return a > b ? a : b; });
-}
-inline unsigned __reduce_or_sync(unsigned, unsigned v) {
-  return emu::warp_reduce(v, [](unsigned a, unsigned b) { return a | b; });
-}
-inline unsigned __reduce_add_sync(unsigned, unsigned v) {
-  return emu::warp_reduce(v, [](unsigned a, unsigned b) { return a + b; });
 }
 inline unsigned __ballot_sync(unsigned, bool p) { return emu::ballot(p); }
 inline bool __any_sync(unsigned, bool p) { return emu::ballot(p) != 0; }
@@ -319,27 +295,25 @@ void run_warp(const Case& c, Result& r) {
   const auto in = args_of(c);
   const auto out = r.outputs();
   const size_t smem = tree::BuildShared(c.depth, c.topk, c.budget, sizeof(double)).bytes;
-  emu::launch(c.batch, tree::kBuildThreads, smem, [&] { tree::build_kernel<M, double>(in, out); });
+  emu::launch(c.batch, tree::kWarp, smem, [&] { tree::build_kernel<M, double>(in, out); });
 }
 
-// The frontier rows per lane that build_trees_cuda / build_trees_cuda_warp pick for this budget.
+// Frontier rows (per lane) for this budget: the smallest of the instantiated M that holds them.
+int rows_of(const Case& c) { return ((c.budget + 1) / 2 + 31) / 32; }
+
 template <typename Staged>
 void run_block_rows(const Case& c, Result& r, int capacity) {
-  const int rows = tree::frontier_rows(c.budget);
+  const int rows = rows_of(c);
   if (rows <= 1) run_block<1, Staged>(c, r, capacity);
-  else if (rows <= 2) run_block<2, Staged>(c, r, capacity);
-  else if (rows <= 8) run_block<8, Staged>(c, r, capacity);
-  else run_block<32, Staged>(c, r, capacity);
+  else if (rows <= 4) run_block<4, Staged>(c, r, capacity);
+  else run_block<16, Staged>(c, r, capacity);
 }
 
 void run_warp_rows(const Case& c, Result& r) {
-  const int rows = tree::frontier_rows(c.budget);
+  const int rows = rows_of(c);
   if (rows <= 1) run_warp<1>(c, r);
-  else if (rows <= 2) run_warp<2>(c, r);
   else if (rows <= 4) run_warp<4>(c, r);
-  else if (rows <= 8) run_warp<8>(c, r);
-  else if (rows <= 16) run_warp<16>(c, r);
-  else run_warp<32>(c, r);
+  else run_warp<16>(c, r);
 }
 
 void print_mismatch(const char* which, int i, const Case& c, const Result& got, const Result& want) {
@@ -350,8 +324,8 @@ void print_mismatch(const char* which, int i, const Case& c, const Result& got, 
                 want.status[b]);
 }
 
-// ./a.out CASES SEED [both|warp|block]: "both" (default) runs the block kernel on every case and
-// the warp kernel on every other one (budgets <= 256, and 1024 now and then); "warp" runs only
+// ./a.out CASES SEED [both|warp]: "both" (default) runs the block kernel on every case and the
+// warp kernel on every other one (budgets <= 256, and larger ones now and then); "warp" runs only
 // the warp kernel, on every case.
 int main(int argc, char** argv) {
   const int cases = argc > 1 ? std::atoi(argv[1]) : 50;

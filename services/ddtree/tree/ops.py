@@ -4,10 +4,10 @@
 - "cpu": C++ in ddtree._C, the batch spread over threads with the GIL released.
 - "cuda": kernels on the current stream; no host synchronisation when check=False, so it can be
   captured in a CUDA graph (then read Trees.status yourself). Two build kernels give the same
-  trees: "warp" (one block per request, warp 0 runs the sequential best-first loop over an
-  unsorted register frontier) and "block" (one block per request: parallel selection, verified
-  exactly, the warp loop as its fallback). cuda_kernel="auto" picks by budget from the H200
-  measurement (benchmarks/results/h200/kernels.txt): BLOCK_KERNEL_BUDGETS below.
+  trees: "warp" (one warp per request, a sequential best-first loop) and "block" (one block per
+  request: parallel selection, verified exactly, the warp loop as its fallback). cuda_kernel="auto"
+  picks the faster one as measured on the H200 (benchmarks/results/h200/kernels.txt): the warp
+  kernel up to budget 128 and from 512 on, the block kernel in between.
 "auto" picks "cuda" for CUDA tensors and "cpu" otherwise.
 """
 from __future__ import annotations
@@ -87,8 +87,6 @@ CUDA_KERNELS = ("auto", "block", "warp")
 # H200, D 16, K = budget, kernel time (µs) block / warp: budget 16: 14.5 / 5.4, 64: 32.5 / 17.2,
 # 256: 79 / 141, 1024: 2402 / 1971 (the block kernel's pool overflows there and it falls back).
 # The warp loop grows ~budget^1.5, the block kernel ~budget^0.6: they cross near 128.
-# These are the previous (sorted-frontier) warp loop's numbers; the unsorted-frontier loop is not
-# measured yet, so this range stands until bench_tree.py's kernels.txt from the H200 re-decides it.
 BLOCK_KERNEL_BUDGETS = range(129, 385)
 
 
