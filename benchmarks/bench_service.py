@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--up-arg", action="append", default=[], help="extra `ddtree up` argument (repeatable)")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--repeats", type=int, default=1, help="alternating off/on runs; tracing_cost uses medians")
+    p.add_argument("--control", action="store_true",
+                   help="A/A control: the second stack runs with tracing off too, so 'on/off' in tracing_cost.txt "
+                        "shows the spread between two identical stacks (no trace report)")
     p.add_argument("--detail", choices=("spans", "summary"), default="spans",
                    help="DDTREE_TRACE_DETAIL of the traced runs (default spans)")
     args = p.parse_args(argv)
@@ -175,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                "on": {"OTEL_TRACES_SAMPLER": "always_on", "DDTREE_TRACE_STEPS": "1", "DDTREE_TRACE_DETAIL": args.detail,
                       "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}",
                       "OTEL_EXPORTER_OTLP_INSECURE": "true"}}
+    if args.control:
+        tracing["on"] = dict(tracing["off"])
     head = header(argv)
     stacks: dict[str, tuple] = {}
     starters = [threading.Thread(target=lambda n=name, e=env: stacks.__setitem__(
@@ -203,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         level = off_runs[0]
         lines.append(f"{level.mode:<7}{level.concurrency:>5}{off:>11.1f}{on:>11.1f}{on / off:>8.3f}  {spread}")
     (out / "tracing_cost.txt").write_text(
-        head + f"# agg tok/s, median of {args.repeats} runs per level on each stack (off and on side by side, "
+        head + ("# A/A CONTROL: both stacks with tracing off ('on' = the second one)\n" if args.control else "")
+        + f"# agg tok/s, median of {args.repeats} runs per level on each stack (off and on side by side, "
         "alternating), full-sampling tracing over tracing off (goal >= 0.97)\n" + "\n".join(lines) + "\n")
     baseline = with_speedups([median_run(level_runs) for level_runs in runs["off"]])
     (out / "service_baseline.txt").write_text(
