@@ -7,7 +7,7 @@
   trees: "warp" (one warp per request, a sequential best-first loop) and "block" (one block per
   request: parallel selection, verified exactly, the warp loop as its fallback). cuda_kernel="auto"
   picks the faster one as measured on the H200 (benchmarks/results/h200/kernels.txt): the warp
-  kernel up to budget 128 and from 512 on, the block kernel in between.
+  kernel below budget 128 and from 385 on, the block kernel in between.
 "auto" picks "cuda" for CUDA tensors and "cpu" otherwise.
 """
 from __future__ import annotations
@@ -84,10 +84,11 @@ def _launch_cuda(kernel, args, device: torch.device) -> None:
 
 
 CUDA_KERNELS = ("auto", "block", "warp")
-# H200, D 16, K = budget, kernel time (µs) block / warp: budget 16: 14.5 / 5.4, 64: 32.5 / 17.2,
-# 256: 79 / 141, 1024: 2402 / 1971 (the block kernel's pool overflows there and it falls back).
-# The warp loop grows ~budget^1.5, the block kernel ~budget^0.6: they cross near 128.
-BLOCK_KERNEL_BUDGETS = range(129, 385)
+# H200, D 16, K = budget, batch 64, kernel time (µs) block / warp (kernels.txt, 21:31 run):
+# 16: 14.3 / 5.4, 32: 18.9 / 8.9, 64: 32.5 / 17.3, 128: 40.7 / 47.4, 256: 79.0 / 141, 384: 117 / 300,
+# 512: 177 / 505 at batch 64 but 1025 / 505 at batch 128, 1024: 2402 / 1972 (the block kernel's
+# pool overflows from ~512 and it falls back). Hence block for 128..384 only.
+BLOCK_KERNEL_BUDGETS = range(128, 385)
 
 
 def _block_kernel(choice: str, budget: int) -> bool:
