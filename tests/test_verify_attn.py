@@ -195,7 +195,7 @@ def test_launch_config_one_wave_one_row_block(monkeypatch):
     # the H200 sweep's fastest launches (benchmarks/results/h200/verify_attn_decode.txt)
     assert launch_config(16, 16, 8192, dev) == (16, 32, 4, km.SPLIT_STAGES, 16, "separate")
     assert launch_config(8, 64, 8192, dev) == (16, 32, 4, km.SPLIT_STAGES, 4, "fused")
-    assert launch_config(16, 1, 32768, dev) == (16, 32, 4, km.SPLIT_STAGES, 256, "separate")
+    assert launch_config(16, 1, 32768, dev) == (16, 32, 4, 3, 256, "separate")  # 4 tiles per split: 3 stages
     assert launch_config(256 * 16, 64, 8192, dev)[4] == 1  # enough programs: no split
     assert launch_config(65 * 16, 1, 8256, dev) == (64, 32, 8, 3, 16, "separate")  # rows > 64: earlier rule
     with pytest.raises(ValueError, match="merge must be"):

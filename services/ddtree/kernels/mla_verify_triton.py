@@ -239,6 +239,9 @@ MERGES = ("none", "fused", "separate", "pdl")  # pdl: separate, the merge a prog
 MIN_SPLIT_TILES = 4  # a split reads at least this many KV tiles
 SPLIT_WAVES = 2      # rows > 64 only (the earlier rule): split until about this many programs per SM
 SPLIT_STAGES = 5     # BLOCK_M 16: two KV tiles in flight per program (102 KB shared, 2 programs/SM)
+PIPELINED_MIN_TILES = 8  # ... when a split reads at least this many tiles; shorter splits run 3 stages
+                         # (H200, 2026-11-29 21:34: 4 tiles per split 6-19% faster with 3, 16 equal,
+                         # 64 faster with 5; benchmarks/results/h200/verify_attn_decode.txt)
 FUSED_MAX_SPLITS = 4  # rows <= 64: the last program merges alone; beyond this many splits its serial
                       # read of the partials costs more than a second launch (H200 sweep of 2026-11-29,
                       # benchmarks/results/h200/verify_attn_decode.txt)
@@ -277,8 +280,8 @@ def launch_config(rows_per_request: int, batch: int, max_kv_len: int, device: to
         return block_m, block_n, warps, 3, 1, "none"
     if merge == "auto":
         merge = "fused" if max_splits <= FUSED_MAX_SPLITS else "separate"
-    stages = SPLIT_STAGES if block_m == 16 else 3
-    return block_m, block_n, warps, stages, max_splits, merge
+    pipelined = block_m == 16 and tiles // max_splits >= PIPELINED_MIN_TILES
+    return block_m, block_n, warps, SPLIT_STAGES if pipelined else 3, max_splits, merge
 
 
 _COUNTERS: dict[tuple, list[torch.Tensor]] = {}
