@@ -6,7 +6,8 @@
 
 Two copies of the stack (`ddtree up` by default: verify + drafter + tree-build sidecar; or the
 verify service alone) run side by side on the same checkpoints, one with tracing off
-(OTEL_TRACES_SAMPLER=always_off), one with full-sampling tracing (always_on, every step, OTLP/gRPC
+(OTEL_TRACES_SAMPLER=always_off), one with full-sampling tracing (parentbased_always_on, the SDK default:
+every trace sampled and unsampled parents honoured, so --detail summary drops the RPC spans; every step; OTLP/gRPC
 to a collector in its own process, as to Jaeger). Every level runs on both, alternating (off, on;
 then on, off on the next repeat, so drift hits both alike), one copy idle while the other is
 measured: the tracing cost is measured in one run, level by level. Outputs:
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     trace_file.unlink(missing_ok=True)
     collector = CollectorProcess()
     tracing = {"off": {"OTEL_TRACES_SAMPLER": "always_off"},
-               "on": {"OTEL_TRACES_SAMPLER": "always_on", "DDTREE_TRACE_STEPS": "1", "DDTREE_TRACE_DETAIL": args.detail,
+               "on": {"OTEL_TRACES_SAMPLER": "parentbased_always_on", "DDTREE_TRACE_STEPS": "1", "DDTREE_TRACE_DETAIL": args.detail,
                       "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}",
                       "OTEL_EXPORTER_OTLP_INSECURE": "true"}}
     if args.control:
