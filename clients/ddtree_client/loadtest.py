@@ -15,10 +15,12 @@ import csv
 import io
 import json
 import math
+import contextlib
 import random
+import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, fields
 from typing import Callable, Sequence
 
@@ -133,6 +135,22 @@ def with_speedups(results: Sequence[LevelResult]) -> list[LevelResult]:
     return out
 
 
+@contextlib.contextmanager
+def _ctrl_c_as_flag():
+    """In the main thread, SIGINT sets an Event instead of raising KeyboardInterrupt wherever the
+    interpreter happens to be (inside a Future's condition lock, it can leave the lock held and a
+    worker stuck); run_level raises KeyboardInterrupt itself at a safe point. Elsewhere: a no-op."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: flag.set())
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_level(stub: generation_pb2_grpc.GenerationStub, config: LoadTestConfig, mode: str, concurrency: int,
               *, on_done: Callable[[RequestRecord], None] | None = None, seed: int = 0) -> tuple[LevelResult, list[RequestRecord]]:
     """Runs one level and returns its row and the raw per-request records."""
@@ -163,22 +181,29 @@ def run_level(stub: generation_pb2_grpc.GenerationStub, config: LoadTestConfig, 
             on_done(record)
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"loadtest-c{concurrency}") as pool:
+    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"loadtest-c{concurrency}")
+    with _ctrl_c_as_flag() as ctrl_c:
         try:
+            futures = []
             if config.rate is None:
                 futures = [pool.submit(one, i) for i in range(n)]       # pool size = the closed loop's width
             else:
                 rng = random.Random(seed)
-                futures = []
                 next_arrival = start
                 for i in range(n):
-                    delay = next_arrival - time.perf_counter()
-                    if delay > 0:
-                        time.sleep(delay)
+                    while (delay := next_arrival - time.perf_counter()) > 0 and not ctrl_c.is_set():
+                        time.sleep(min(delay, 0.1))
+                    if ctrl_c.is_set():
+                        raise KeyboardInterrupt
                     futures.append(pool.submit(one, i))
                     next_arrival += rng.expovariate(config.rate)
-            for f in futures:
-                f.result()
+            pending = set(futures)
+            while pending:                     # short waits: Ctrl-C is seen between them, never inside a lock
+                done, pending = wait(pending, timeout=0.1, return_when=FIRST_EXCEPTION)
+                if ctrl_c.is_set():
+                    raise KeyboardInterrupt
+                for f in done:
+                    f.result()
         except KeyboardInterrupt:              # stop now: queued requests dropped, running ones cancelled
             interrupted.set()
             pool.shutdown(wait=False, cancel_futures=True)
@@ -186,6 +211,9 @@ def run_level(stub: generation_pb2_grpc.GenerationStub, config: LoadTestConfig, 
                 for call in active:
                     call.cancel()
             raise
+        finally:
+            if not interrupted.is_set():
+                pool.shutdown(wait=True)
     first_send = min((r.start for r in records), default=start)
     wall = max((r.end for r in records), default=start) - first_send
     return summarize_level(mode, concurrency, config.rate, records, wall), records
