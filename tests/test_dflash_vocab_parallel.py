@@ -31,6 +31,8 @@ def _worker(rank: int, world: int, root: str) -> None:
         model = DFlashDrafter.from_pretrained(root, embed_tokens=inputs["embed"][rows], lm_head=inputs["lm_head"][rows],
                                               dtype=torch.float32, vocab_shard=VocabShard(dist.group.WORLD, rows.start))
         torch.save(_run(model, inputs["steps"], inputs["logits"], rows, dist.group.WORLD), f"{root}/out.{rank}")
+        dist.barrier()  # both ranks are past their last collective before either tears gloo down (a CI run
+                        # once aborted a rank in teardown: "terminate called without an active exception")
     finally:
         dist.destroy_process_group()
 
