@@ -136,6 +136,14 @@ def test_killed_sidecar_is_unavailable_then_reattach_works_and_stop_ends_streams
         assert time.monotonic() - start < 3.0
         with pytest.raises(PeerUnavailable):
             _step(tree, 5, gen)
+        # Once the transport has reaped the dead peer, the next step still says PeerUnavailable
+        # (writing the inputs for an unknown peer used to escape as UnknownPeer).
+        deadline = time.monotonic() + 10
+        while tree.link.server_id in transport.peers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tree.link.server_id not in transport.peers()
+        with pytest.raises(PeerUnavailable):
+            _step(tree, 6, gen)
         tree.close()
     finally:
         transport.close()

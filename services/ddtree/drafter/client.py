@@ -120,11 +120,11 @@ class RemoteDrafter(RemotePeer):
             if features.shape[0]:  # no new context: the field stays unset
                 ref = self.region.put(slot, features.contiguous(), offset)
                 offset = align(offset + features.numel() * features.element_size())
-                entry.context_features.CopyFrom(self.link.send(ref))
+                entry.context_features.CopyFrom(self._call(self.link.send, ref))
         self.region.record(slot)
         reply = self._call(self._draft_rpc, request)
         self.last_timing = reply.timing
-        return self.link.resolve(reply.top_logprobs), self.link.resolve(reply.top_ids)
+        return self._call(self.link.resolve, reply.top_logprobs), self._call(self.link.resolve, reply.top_ids)
 
     def _refused(self, code, details: str) -> Exception:
         if code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(UNKNOWN_REQUEST):

@@ -43,8 +43,12 @@ class RemotePeer:
     def _call(self, fn, *args, **kwargs):
         import grpc
 
+        from ddtree.transport.errors import UnknownPeer
+
         try:
             return fn(*args, **kwargs)
+        except UnknownPeer as exc:  # the transport reaped the peer's dead process before this call
+            raise PeerUnavailable(f"{self.peer_name}: {exc}") from None
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             if code is not None and code.name in self.unavailable_codes:

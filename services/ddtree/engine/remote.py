@@ -123,7 +123,7 @@ class RemoteTree(RemotePeer):
         from ddtree.v1 import treebuild_pb2
 
         budgets = list(budget) if not isinstance(budget, int) else [budget]
-        lp_ref, ids_ref = self._put([top_logprobs.float(), top_ids.to(torch.int32)])
+        lp_ref, ids_ref = self._call(self._put, [top_logprobs.float(), top_ids.to(torch.int32)])
         reply = self._call(self._build_rpc, treebuild_pb2.BuildRequest(
             step_id=step_id, top_logprobs=lp_ref, top_ids=ids_ref, budgets=budgets))
         self.last_timing = reply.timing
@@ -134,9 +134,9 @@ class RemoteTree(RemotePeer):
     def accept(self, step_id, trees: TreeBatch, posterior):
         from ddtree.v1 import treebuild_pb2
 
-        tokens, depths, parents, num_nodes, post = self._put(
-            [trees.tokens.to(torch.int32), trees.depths.to(torch.int32), trees.parents.to(torch.int32),
-             trees.num_nodes.to(torch.int32), posterior.to(torch.int32)])
+        tokens, depths, parents, num_nodes, post = self._call(self._put, [
+            trees.tokens.to(torch.int32), trees.depths.to(torch.int32), trees.parents.to(torch.int32),
+            trees.num_nodes.to(torch.int32), posterior.to(torch.int32)])
         reply = self._call(self._accept_rpc, treebuild_pb2.AcceptRequest(
             step_id=step_id, posterior=post,
             trees=treebuild_pb2.TreeRefs(tokens=tokens, depths=depths, parents=parents, num_nodes=num_nodes)))
