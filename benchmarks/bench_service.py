@@ -37,8 +37,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from ddtree.telemetry.file_exporter import otlp_json_line
 from ddtree.v1 import generation_pb2_grpc
 from ddtree_client.channel import open_channel
-from ddtree_client.generate import GenerateOptions, describe_server, build_request, stream_generate
-from ddtree_client.loadtest import LoadTestConfig, format_table, run_level, to_json, with_speedups
+from ddtree_client.generate import GenerateOptions, describe_server
+from ddtree_client.loadtest import LoadTestConfig, format_table, run_level, to_json, warm_up, with_speedups
 from ddtree_client.prompts import BUILTIN_PROMPTS, load_prompts
 
 
@@ -234,10 +234,8 @@ def measure(config: LoadTestConfig, addresses: dict[str, str], repeats: int):
     try:
         stubs = {name: generation_pb2_grpc.GenerationStub(ch) for name, ch in channels.items()}
         server = describe_server(stubs["off"])
-        for name, stub in stubs.items():             # first requests of each stack, not counted
-            for i in range(config.warmup):
-                stream_generate(stub, build_request(config.prompts[i % len(config.prompts)], config.options,
-                                                    request_id=f"warmup-{i}"), timeout_s=config.timeout_s)
+        for stub in stubs.values():                  # first requests of each stack, not counted
+            warm_up(stub, config)
         runs: dict[str, list] = {name: [] for name in addresses}
         names = list(addresses)
         for mode in config.modes:

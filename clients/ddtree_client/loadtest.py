@@ -219,6 +219,13 @@ def run_level(stub: generation_pb2_grpc.GenerationStub, config: LoadTestConfig, 
     return summarize_level(mode, concurrency, config.rate, records, wall), records
 
 
+def warm_up(stub: generation_pb2_grpc.GenerationStub, config: LoadTestConfig) -> None:
+    """config.warmup uncounted requests, one after the other (first shapes, caches)."""
+    for i in range(config.warmup):
+        request = build_request(config.prompts[i % len(config.prompts)], config.options, request_id=f"warmup-{i}")
+        stream_generate(stub, request, timeout_s=config.timeout_s)
+
+
 def run_sweep(config: LoadTestConfig, *, progress: bool = True) -> list[LevelResult]:
     """Every mode x concurrency level, one after the other, on one channel."""
     from rich.console import Console
@@ -231,9 +238,7 @@ def run_sweep(config: LoadTestConfig, *, progress: bool = True) -> list[LevelRes
             grpc.channel_ready_future(raw).result(timeout=min(config.timeout_s, 30.0))
         except grpc.FutureTimeoutError:
             raise ConnectionError(f"cannot connect to {config.target}") from None
-        for i in range(config.warmup):
-            request = build_request(config.prompts[i % len(config.prompts)], config.options, request_id=f"warmup-{i}")
-            stream_generate(stub, request, timeout_s=config.timeout_s)
+        warm_up(stub, config)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tok]}"),
                    TimeElapsedColumn())
         with Progress(*columns, console=Console(stderr=True), disable=not progress, transient=False) as bar:

@@ -116,12 +116,7 @@ class PeerScope:
         """The validated, cached `View` of `ref` without the stream wait (None for an inline
         region): for consumers that order their reads themselves (`view.wait()` or a native read
         on `view.event_ptr`), e.g. the probe's deferred read."""
-        peer = self.peer
-        if peer.zero_copy:   # the known-descriptor path of _view, inlined (per step)
-            view = peer.views.get(ref.SerializePartialToString())
-            if view is not None:
-                return view
-        return _view(peer, ref)
+        return _view(self.peer, ref)
 
     def for_peer(self, ref: tensor_pb2.TensorRef) -> tensor_pb2.TensorRef:
         return self._transport.for_peer(self.peer_id, ref)

@@ -166,12 +166,9 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
                 # the deferred read (the step): the input's cached View, then its byte sum into
                 # ring[step_id % n] on the current stream after the slot's event; nothing waits
                 view = scope.view(request.input)
-                ring = self._sums.get(scope.peer_id)
                 if view is None:   # inline region: decoded (and copied to our device) every step
                     tensor = scope.resolve(request.input)
                     self._ring(scope.peer_id, tensor.device).add_tensor(tensor, request.step_id)
-                elif ring is not None and ring.device_index == view.device_index:
-                    ring.add(view, request.step_id)
                 else:
                     self._ring(scope.peer_id, view.tensor.device).add(view, request.step_id)
             else:
