@@ -27,7 +27,7 @@ def traced_channel(channel: grpc.Channel, service_name: str = "ddtree-client") -
         return
     from ddtree.telemetry import TracingClientInterceptor, setup_tracing, shutdown_tracing
 
-    provider = setup_tracing(service_name, set_global=False)
+    provider = setup_tracing(service_name, set_global=False, export="thread")
     try:
         yield grpc.intercept_channel(channel, TracingClientInterceptor(provider))
     finally:

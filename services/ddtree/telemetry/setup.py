@@ -4,6 +4,9 @@
   (Jaeger all-in-one listens on 4317).
 - DDTREE_TRACE_FILE set: spans are also appended to that file as OTLP-JSON lines.
 - OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG: the SDK reads them itself.
+- DDTREE_TRACE_EXPORT: "process" (default) encodes and exports in a child process
+  (`ddtree.telemetry.export_process`: the service's threads only pack finished spans);
+  "thread" uses the SDK's in-process BatchSpanProcessor.
 Neither exporter set: spans are created (cheap) but not exported.
 """
 from __future__ import annotations
@@ -20,9 +23,24 @@ from ddtree.telemetry.file_exporter import OtlpJsonFileExporter
 
 log = logging.getLogger(__name__)
 
+EXPORT_ENV = "DDTREE_TRACE_EXPORT"
+EXPORT_PROCESS, EXPORT_THREAD = "process", "thread"
 
-def setup_tracing(service_name: str, *, set_global: bool = True, **resource_attrs: str) -> TracerProvider:
-    """Builds the provider for one service and (by default) installs it as the global one."""
+
+def export_mode(default: str = EXPORT_PROCESS) -> str:
+    """DDTREE_TRACE_EXPORT: where spans are encoded and exported ("process" or "thread")."""
+    raw = os.environ.get(EXPORT_ENV, "").strip().lower() or default
+    if raw not in (EXPORT_PROCESS, EXPORT_THREAD):
+        raise ValueError(f"{EXPORT_ENV} must be {EXPORT_PROCESS!r} or {EXPORT_THREAD!r}, got {raw!r}")
+    return raw
+
+
+def setup_tracing(service_name: str, *, set_global: bool = True, export: str | None = None,
+                  **resource_attrs: str) -> TracerProvider:
+    """Builds the provider for one service and (by default) installs it as the global one.
+
+    `export` overrides DDTREE_TRACE_EXPORT (clients pass "thread": a short-lived process
+    should not start a second one)."""
     from ddtree import __version__
 
     resource = Resource.create(
@@ -32,16 +50,26 @@ def setup_tracing(service_name: str, *, set_global: bool = True, **resource_attr
     endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
         "OTEL_EXPORTER_OTLP_ENDPOINT"
     )
-    if endpoint:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        # The exporter reads endpoint, headers, insecure, timeout from OTEL_* itself.
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        log.info("tracing: OTLP/gRPC export to %s", endpoint)
     trace_file = os.environ.get("DDTREE_TRACE_FILE")
-    if trace_file:
-        provider.add_span_processor(BatchSpanProcessor(OtlpJsonFileExporter(trace_file)))
-        log.info("tracing: OTLP-JSON lines to %s", trace_file)
+    mode = export or export_mode()
+    if (endpoint or trace_file) and mode == EXPORT_PROCESS:
+        from ddtree.telemetry.export_process import ChildProcessSpanProcessor
+
+        processor = ChildProcessSpanProcessor(resource, otlp=bool(endpoint), trace_file=trace_file)
+        provider.add_span_processor(processor)
+        log.info("tracing: export process %d: %s", processor.pid,
+                 ", ".join(filter(None, [endpoint and f"OTLP/gRPC to {endpoint}",
+                                         trace_file and f"OTLP-JSON lines to {trace_file}"])))
+    elif endpoint or trace_file:
+        if endpoint:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            # The exporter reads endpoint, headers, insecure, timeout from OTEL_* itself.
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            log.info("tracing: OTLP/gRPC export to %s", endpoint)
+        if trace_file:
+            provider.add_span_processor(BatchSpanProcessor(OtlpJsonFileExporter(trace_file)))
+            log.info("tracing: OTLP-JSON lines to %s", trace_file)
     if set_global:
         trace.set_tracer_provider(provider)
     return provider
