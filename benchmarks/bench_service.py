@@ -6,14 +6,19 @@
 
 Two copies of the stack (`ddtree up` by default: verify + drafter + tree-build sidecar; or the
 verify service alone) run side by side on the same checkpoints, one with tracing off
-(OTEL_TRACES_SAMPLER=always_off), one with full-sampling tracing (parentbased_always_on, the SDK default:
-every trace sampled and unsampled parents honoured, so --detail summary drops the RPC spans; every step; OTLP/gRPC
-to a collector in its own process, as to Jaeger). Every level runs on both, alternating (off, on;
-then on, off on the next repeat, so drift hits both alike), one copy idle while the other is
-measured: the tracing cost is measured in one run, level by level. Outputs:
+(OTEL_TRACES_SAMPLER=always_off), one with full-sampling tracing (parentbased_always_on, the SDK
+default: every trace sampled and unsampled parents honoured, so --detail summary drops the RPC
+spans; every step; OTLP/gRPC to a collector in its own process, as to Jaeger). Every level runs
+three arms, in an order that reverses every repeat so drift hits all alike:
+  off        the untraced stack;
+  unsampled  the traced stack, each request carrying a W3C traceparent whose sampled flag is 0:
+             the same processes, and the code path of tracing off (every span non-recording);
+  on         the traced stack, every request and step traced.
+on/unsampled is the tracing cost on the same processes (the goal: >= 0.97); on/off also carries
+the spread between two identical stacks (measure it with --control). Outputs:
   service_baseline.txt  the tracing-off sweep (per level, the repeat with the median tok/s)
   trace_report.txt      `ddtree trace-report` over the traced runs, grouped by level
-  tracing_cost.txt      per level, median agg tok/s on over off (goal >= 0.97)
+  tracing_cost.txt      per level, median agg tok/s of each arm and their ratios
 Every file starts with the command, the git commit and the device that produced it.
 """
 from __future__ import annotations
@@ -30,6 +35,9 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
+
+import dataclasses
+import random
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -149,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,4,10,32,64")
     p.add_argument("--modes", default="ddtree,chain,ar")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--num-requests", type=int, default=None, help="per level (default max(8, 4 x conc))")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="per level (default max(--min-requests, 4 x conc))")
+    p.add_argument("--min-requests", type=int, default=8,
+                   help="fewest requests of a level (default 8); more make low-concurrency runs longer and steadier")
     p.add_argument("--prompts", default=None, help="prompts file (default: the built-in set)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--stack", choices=("up", "verify"), default="up",
@@ -157,10 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verify-arg", action="append", default=[], help="extra `serve verify` argument (repeatable)")
     p.add_argument("--up-arg", action="append", default=[], help="extra `ddtree up` argument (repeatable)")
     p.add_argument("--start-timeout", type=float, default=900.0)
-    p.add_argument("--repeats", type=int, default=1, help="alternating off/on runs; tracing_cost uses medians")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each arm per level; tracing_cost uses medians")
     p.add_argument("--control", action="store_true",
                    help="A/A control: the second stack runs with tracing off too, so 'on/off' in tracing_cost.txt "
-                        "shows the spread between two identical stacks (no trace report)")
+                        "shows the spread between two identical stacks (no unsampled arm, no trace report)")
     p.add_argument("--detail", choices=("spans", "summary"), default="spans",
                    help="DDTREE_TRACE_DETAIL of the traced runs (default spans)")
     args = p.parse_args(argv)
@@ -192,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if set(stacks) != set(tracing):
             raise SystemExit(f"a stack did not start (started: {sorted(stacks)})")
-        runs, server = measure(config, {name: address for name, (_, address) in stacks.items()}, args.repeats)
+        runs, server = measure(config, {name: address for name, (_, address) in stacks.items()}, args.repeats,
+                               unsampled_arm=not args.control, min_requests=args.min_requests)
     finally:
         for proc, _ in stacks.values():
             stop(proc)
@@ -201,17 +213,11 @@ def main(argv: list[str] | None = None) -> int:
                              str(trace_file), "--group-by", "level"], capture_output=True, text=True)
     (out / "trace_report.txt").write_text(head + "# full-sampling tracing runs, grouped by load-test level\n"
                                           + report.stdout + report.stderr)
-    lines = [f"{'mode':<7}{'conc':>5}{'off_tok/s':>11}{'on_tok/s':>11}{'on/off':>8}  runs off | on"]
-    for off_runs, on_runs in zip(runs["off"], runs["on"]):
-        off = statistics.median(r.agg_tok_s for r in off_runs)
-        on = statistics.median(r.agg_tok_s for r in on_runs)
-        spread = " ".join(f"{r.agg_tok_s:.0f}" for r in off_runs) + " | " + " ".join(f"{r.agg_tok_s:.0f}" for r in on_runs)
-        level = off_runs[0]
-        lines.append(f"{level.mode:<7}{level.concurrency:>5}{off:>11.1f}{on:>11.1f}{on / off:>8.3f}  {spread}")
     (out / "tracing_cost.txt").write_text(
         head + ("# A/A CONTROL: both stacks with tracing off ('on' = the second one)\n" if args.control else "")
-        + f"# agg tok/s, median of {args.repeats} runs per level on each stack (off and on side by side, "
-        "alternating), full-sampling tracing over tracing off (goal >= 0.97)\n" + "\n".join(lines) + "\n")
+        + f"# agg tok/s, median of {args.repeats} runs per level and arm (arms alternating); on/unsampled: the same "
+        "processes with every request traced or none (goal >= 0.97); on/off: across the two stacks\n"
+        + cost_table(runs) + "\n")
     baseline = with_speedups([median_run(level_runs) for level_runs in runs["off"]])
     (out / "service_baseline.txt").write_text(
         head + f"# tracing off; per level the run with the median tok/s of {args.repeats}; every request "
@@ -227,28 +233,64 @@ def median_run(level_runs: list):
     return sorted(level_runs, key=lambda r: r.agg_tok_s)[(len(level_runs) - 1) // 2]
 
 
-def measure(config: LoadTestConfig, addresses: dict[str, str], repeats: int):
-    """Every mode x level on every stack, `repeats` times, alternating the order per repeat.
-    Returns {stack: [[LevelResult per repeat] per level]} and the server's description."""
+def cost_table(runs: dict[str, list]) -> str:
+    arms = list(runs)
+    lines = [f"{'mode':<7}{'conc':>5}" + "".join(f"{arm + '_tok/s':>16}" for arm in arms)
+             + "".join(f"{'on/' + arm:>14}" for arm in arms if arm != "on") + "  runs " + " | ".join(arms)]
+    for level_index, level_runs in enumerate(runs["on"]):
+        medians = {arm: statistics.median(r.agg_tok_s for r in runs[arm][level_index]) for arm in arms}
+        spread = " | ".join(" ".join(f"{r.agg_tok_s:.0f}" for r in runs[arm][level_index]) for arm in arms)
+        lines.append(f"{level_runs[0].mode:<7}{level_runs[0].concurrency:>5}"
+                     + "".join(f"{medians[arm]:>16.1f}" for arm in arms)
+                     + "".join(f"{medians['on'] / medians[arm]:>14.3f}" for arm in arms if arm != "on")
+                     + f"  {spread}")
+    return "\n".join(lines)
+
+
+class _UnsampledParent(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Sends every call with a fresh W3C traceparent whose sampled flag is 0: a parent-based
+    sampler then records nothing for the request, as with tracing off."""
+
+    def _details(self, details):
+        parent = f"00-{random.getrandbits(128) or 1:032x}-{random.getrandbits(64) or 1:016x}-00"
+        return details._replace(metadata=list(details.metadata or []) + [("traceparent", parent)])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+
+def measure(config: LoadTestConfig, addresses: dict[str, str], repeats: int, *, unsampled_arm: bool,
+            min_requests: int = 8):
+    """Every mode x level on every arm (off, [unsampled,] on), `repeats` times, the arm order
+    reversed every repeat. Returns {arm: [[LevelResult per repeat] per level]} and the server's
+    description."""
     channels = {name: open_channel(address) for name, address in addresses.items()}
     try:
         stubs = {name: generation_pb2_grpc.GenerationStub(ch) for name, ch in channels.items()}
+        if unsampled_arm:
+            stubs = {"off": stubs["off"], "unsampled": generation_pb2_grpc.GenerationStub(
+                grpc.intercept_channel(channels["on"], _UnsampledParent())), "on": stubs["on"]}
         server = describe_server(stubs["off"])
-        for stub in stubs.values():                  # first requests of each stack, not counted
-            warm_up(stub, config)
-        runs: dict[str, list] = {name: [] for name in addresses}
-        names = list(addresses)
+        for name in addresses:                       # first requests of each stack, not counted
+            warm_up(stubs[name], config)
+        arms = list(stubs)
+        runs: dict[str, list] = {arm: [] for arm in arms}
         for mode in config.modes:
             for conc in config.concurrency:
-                level_runs: dict[str, list] = {name: [] for name in names}
+                level = config if config.num_requests else dataclasses.replace(
+                    config, num_requests=max(min_requests, 4 * conc))
+                level_runs: dict[str, list] = {arm: [] for arm in arms}
                 for rep in range(repeats):
-                    for name in (names if rep % 2 == 0 else names[::-1]):
-                        result, _ = run_level(stubs[name], config, mode, conc, seed=rep)
-                        level_runs[name].append(result)
-                for name in names:
-                    runs[name].append(level_runs[name])
+                    for arm in (arms if rep % 2 == 0 else arms[::-1]):
+                        result, _ = run_level(stubs[arm], level, mode, conc, seed=rep)
+                        level_runs[arm].append(result)
+                for arm in arms:
+                    runs[arm].append(level_runs[arm])
                 print(f"{mode:>6} conc {conc:>3}: " + ", ".join(
-                    f"{name} " + " ".join(f"{r.agg_tok_s:.1f}" for r in level_runs[name]) for name in names)
+                    f"{arm} " + " ".join(f"{r.agg_tok_s:.1f}" for r in level_runs[arm]) for arm in arms)
                     + " tok/s", flush=True)
         return runs, server
     finally:
