@@ -18,7 +18,7 @@ on/unsampled is the tracing cost on the same processes (the goal: >= 0.97); on/o
 the spread between two identical stacks (measure it with --control). Outputs:
   service_baseline.txt  the tracing-off sweep (per level, the repeat with the median tok/s)
   trace_report.txt      `ddtree trace-report` over the traced runs, grouped by level
-  tracing_cost.txt      per level, median agg tok/s of each arm and their ratios
+  tracing_cost.txt      per level (of --traced-modes), median agg tok/s of each arm and their ratios
 Every file starts with the command, the git commit and the device that produced it.
 """
 from __future__ import annotations
@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--control", action="store_true",
                    help="A/A control: the second stack runs with tracing off too, so 'on/off' in tracing_cost.txt "
                         "shows the spread between two identical stacks (no unsampled arm, no trace report)")
+    p.add_argument("--traced-modes", default=None,
+                   help="modes that also run the unsampled and traced arms (default: all of --modes); "
+                        "the others run on the untraced stack only (baseline)")
     p.add_argument("--detail", choices=("spans", "summary"), default="spans",
                    help="DDTREE_TRACE_DETAIL of the traced runs (default spans)")
     args = p.parse_args(argv)
@@ -204,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         if set(stacks) != set(tracing):
             raise SystemExit(f"a stack did not start (started: {sorted(stacks)})")
         runs, server = measure(config, {name: address for name, (_, address) in stacks.items()}, args.repeats,
-                               unsampled_arm=not args.control, min_requests=args.min_requests)
+                               unsampled_arm=not args.control, min_requests=args.min_requests,
+                               traced_modes=tuple(args.traced_modes.split(",")) if args.traced_modes else config.modes)
     finally:
         for proc, _ in stacks.values():
             stop(proc)
@@ -237,9 +241,11 @@ def cost_table(runs: dict[str, list]) -> str:
     arms = list(runs)
     lines = [f"{'mode':<7}{'conc':>5}" + "".join(f"{arm + '_tok/s':>16}" for arm in arms)
              + "".join(f"{'on/' + arm:>14}" for arm in arms if arm != "on") + "  runs " + " | ".join(arms)]
-    for level_index, level_runs in enumerate(runs["on"]):
-        medians = {arm: statistics.median(r.agg_tok_s for r in runs[arm][level_index]) for arm in arms}
-        spread = " | ".join(" ".join(f"{r.agg_tok_s:.0f}" for r in runs[arm][level_index]) for arm in arms)
+    by_level = {arm: {(rs[0].mode, rs[0].concurrency): rs for rs in runs[arm]} for arm in arms}
+    for level_runs in runs["on"]:
+        key = (level_runs[0].mode, level_runs[0].concurrency)
+        medians = {arm: statistics.median(r.agg_tok_s for r in by_level[arm][key]) for arm in arms}
+        spread = " | ".join(" ".join(f"{r.agg_tok_s:.0f}" for r in by_level[arm][key]) for arm in arms)
         lines.append(f"{level_runs[0].mode:<7}{level_runs[0].concurrency:>5}"
                      + "".join(f"{medians[arm]:>16.1f}" for arm in arms)
                      + "".join(f"{medians['on'] / medians[arm]:>14.3f}" for arm in arms if arm != "on")
@@ -263,10 +269,11 @@ class _UnsampledParent(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientI
 
 
 def measure(config: LoadTestConfig, addresses: dict[str, str], repeats: int, *, unsampled_arm: bool,
-            min_requests: int = 8):
-    """Every mode x level on every arm (off, [unsampled,] on), `repeats` times, the arm order
-    reversed every repeat. Returns {arm: [[LevelResult per repeat] per level]} and the server's
-    description."""
+            min_requests: int = 8, traced_modes: tuple[str, ...] = ()):
+    """Every mode x level on every arm (off, [unsampled,] on; only off for modes not in
+    traced_modes), `repeats` times, the arm order reversed every repeat. Returns
+    {arm: [[LevelResult per repeat] per level]} (levels in order; an arm's list skips the levels
+    it did not run) and the server's description."""
     channels = {name: open_channel(address) for name, address in addresses.items()}
     try:
         stubs = {name: generation_pb2_grpc.GenerationStub(ch) for name, ch in channels.items()}
@@ -282,15 +289,16 @@ def measure(config: LoadTestConfig, addresses: dict[str, str], repeats: int, *, 
             for conc in config.concurrency:
                 level = config if config.num_requests else dataclasses.replace(
                     config, num_requests=max(min_requests, 4 * conc))
-                level_runs: dict[str, list] = {arm: [] for arm in arms}
+                level_arms = arms if mode in traced_modes else ["off"]
+                level_runs: dict[str, list] = {arm: [] for arm in level_arms}
                 for rep in range(repeats):
-                    for arm in (arms if rep % 2 == 0 else arms[::-1]):
+                    for arm in (level_arms if rep % 2 == 0 else level_arms[::-1]):
                         result, _ = run_level(stubs[arm], level, mode, conc, seed=rep)
                         level_runs[arm].append(result)
-                for arm in arms:
+                for arm in level_arms:
                     runs[arm].append(level_runs[arm])
                 print(f"{mode:>6} conc {conc:>3}: " + ", ".join(
-                    f"{arm} " + " ".join(f"{r.agg_tok_s:.1f}" for r in level_runs[arm]) for arm in arms)
+                    f"{arm} " + " ".join(f"{r.agg_tok_s:.1f}" for r in level_runs[arm]) for arm in level_arms)
                     + " tok/s", flush=True)
         return runs, server
     finally:

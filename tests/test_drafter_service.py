@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import grpc
 import pytest
@@ -236,6 +237,18 @@ def test_remote_top_k_equals_in_process_drafter_and_service_stops_cleanly(servic
     assert drafter.draft(3, [DraftItem("c", 1, 3, features(3, 0).to(dev))], K)[0].shape == (1, 3, K)
     stub = drafter_pb2_grpc.DrafterStub(service["channel"])
     assert stub.Release(drafter_pb2.ReleaseRequest(request_ids=["c", "c"]), metadata=drafter.link.metadata).released == 1
+    # Releases ride on the next Draft; flush_releases sends what is left in one Release call.
+    assert drafter.draft(4, [DraftItem("d", 1, 3, features(3, 0).to(dev)),
+                             DraftItem("e", 1, 3, features(3, 0).to(dev))], K)[0].shape == (2, 3, K)
+    carried = time.time_ns()
+    drafter.release(["d"])
+    assert drafter.draft(5, [DraftItem("e", 2, 4, features(1, 0).to(dev))], K)[0].shape == (1, 3, K)
+    carried = (carried, time.time_ns())
+    assert stub.Release(drafter_pb2.ReleaseRequest(request_ids=["d"]), metadata=drafter.link.metadata).released == 0
+    drafter.release(["e"])
+    drafter.flush_releases()
+    drafter.flush_releases()  # nothing left: no call
+    assert stub.Release(drafter_pb2.ReleaseRequest(request_ids=["e"]), metadata=drafter.link.metadata).released == 0
 
     proc = service["proc"]
     proc.send_signal(signal.SIGTERM)
@@ -244,6 +257,8 @@ def test_remote_top_k_equals_in_process_drafter_and_service_stops_cleanly(servic
              for rs in json.loads(line)["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]]
     drafts = [s for s in spans if s["name"] == "ddtree.v1.Drafter/Draft"]
     assert len(drafts) >= 3
+    releases = [int(s["startTimeUnixNano"]) for s in spans if s["name"] == "ddtree.v1.Drafter/Release"]
+    assert not [t for t in releases if carried[0] <= t <= carried[1]]  # "d" rode on the Draft
     attrs = [{a["key"]: a["value"] for a in s["attributes"]} for s in drafts]
     assert {"intValue": "3"} in [a.get("ddtree.draft.batch_size") for a in attrs]
     assert all(a["ddtree.draft.top_k"] == {"intValue": str(K)} for a in attrs if "ddtree.draft.top_k" in a)

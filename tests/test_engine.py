@@ -298,6 +298,49 @@ def test_server_choice_falls_back_to_ar_when_speculation_does_not_pay(models):
         eng.stop()
 
 
+class DeferringDrafter(LocalDrafter):
+    """The real drafter with a remote drafter's release semantics: released state is freed only
+    when the next draft carries it or on flush_releases."""
+
+    def __init__(self, inner: LocalDrafter):
+        super().__init__(inner.model, inner.cache, inner.name)
+        self.pending: list[str] = []
+        self.flushed: list[str] = []
+
+    def draft(self, step_id, items, k):
+        super().release(self.pending)
+        self.pending = []
+        return super().draft(step_id, items, k)
+
+    def release(self, request_ids):
+        self.pending.extend(request_ids)
+
+    def flush_releases(self):
+        self.flushed += self.pending
+        super().release(self.pending)
+        self.pending = []
+
+
+def test_an_idle_engine_flushes_deferred_drafter_releases(models):
+    from ddtree.engine.loader import load_target, local_drafter
+
+    target, drafter = models
+    setup = ModelSetup(target=str(target), drafter=str(drafter))
+    tgt = load_target(setup, CONFIG)
+    deferring = DeferringDrafter(local_drafter(setup, tgt, CONFIG))
+    eng = build_local_engine(setup, CONFIG, target=tgt, drafter=deferring).start()
+    try:
+        results = run_concurrently(eng, [spec(eng, p, "ddtree", 6) for p in prompts(3, seed=4)])
+        assert all(usage.mode is Mode.DDTREE for _, _, usage in results)
+        deadline = time.monotonic() + 10
+        while deferring.cache.request_ids() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not deferring.cache.request_ids() and not deferring.pending
+        assert deferring.flushed  # the last finished requests had no next draft to ride on
+    finally:
+        eng.stop()
+
+
 class NanDrafter(LocalDrafter):
     """The real drafter whose log-probs turn NaN on every other step (a numerically broken peer)."""
 

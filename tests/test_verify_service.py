@@ -254,6 +254,34 @@ def test_backpressure_cancel_and_deadline(verify):
     assert len(generate(verify.port, [5, 6], pb.MODE_DDTREE, max_tokens=8, ignore_eos=True)[0]) == 8
 
 
+def test_more_streams_than_the_default_thread_pool_run_together(models, tmp_path):
+    """Every running and queued request holds a handler thread: 18 running + 2 queued streams
+    (more than gRPC's usual 16 threads) are all admitted and the next one is refused."""
+    env = service_env({k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER")}
+                      | {"PYTHONUNBUFFERED": "1"})
+    target, drafter = models
+    svc = Service("verify", ["--target", str(target), "--port", "0", "--max-running", "18", "--max-queue", "2",
+                             "--max-tokens-limit", "4000", "--max-context", "4096", "--num-pages", "10000",
+                             "--page-size", "8", "--warmup", "off"], env, "wide").wait_ready()  # pages for 19
+    try:
+        with channel(svc.port) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            running = []
+            for i in range(18):                            # one at a time: each is admitted, not queued
+                running.append(stub.Generate(_long(f"run{i}"), timeout=60))
+                next(running[-1])                          # it decodes: 18 streams at once
+            queued = [stub.Generate(_long(f"queued{i}"), timeout=120) for i in range(2)]
+            for i in range(2):
+                assert svc.wait_log(f'"client_request_id": "queued{i}", "queued"'), svc.log()[-3000:]
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(_long("refused"), timeout=30))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            for stream in running + queued:
+                stream.cancel()
+    finally:
+        svc.stop()
+
+
 def _tls_files(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")

@@ -76,6 +76,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         start = time.perf_counter()
         with serve_peer(self.transport, context) as peer, self._lock:
             self._forget_detached_peers()
+            for rid in request.release_request_ids:   # finished requests, batched by the engine
+                self.cache.release(_key(peer.peer_id, rid))
             try:
                 lp_ref, ids_ref, gpu_ms = self._draft(request, peer)
             except TransportError:

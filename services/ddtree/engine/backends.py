@@ -171,7 +171,11 @@ class DrafterBackend(Protocol):
     def draft(self, step_id: int, items: Sequence[DraftItem], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """top_logprobs [B, block_size-1, k] float32 and top_ids int (row i = items[i])."""
 
-    def release(self, request_ids: Sequence[str]) -> None: ...
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Frees the requests' drafter state, now or with the next draft (see flush_releases)."""
+
+    def flush_releases(self) -> None:
+        """Frees now what `release` deferred (the engine calls it when it goes idle)."""
 
 
 class TreeBackend(Protocol):
@@ -197,6 +201,9 @@ class LocalDrafter:
     def release(self, request_ids):
         for rid in request_ids:
             self.cache.release(rid)
+
+    def flush_releases(self):
+        pass  # released at once
 
 
 class LocalTree:

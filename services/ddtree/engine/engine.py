@@ -257,6 +257,7 @@ class Engine:
                 if self._running:
                     self._step()
                 elif not prefilled:
+                    self._flush_drafter_releases()
                     with self._wake:
                         self._wake.wait(self.config.idle_wait_s)
         except BaseException as exc:  # the target failed: fail every request, stop serving
@@ -361,6 +362,14 @@ class Engine:
                 self.drafter.release([req.id])
             except (PeerUnavailable, ValueError) as exc:
                 log.warning("drafter release of %s failed: %s", req.id, exc)
+
+    def _flush_drafter_releases(self) -> None:
+        """Idle: frees the drafter state of finished requests that no next draft will carry."""
+        if self.drafter is not None and "drafter" not in self._down:
+            try:
+                self.drafter.flush_releases()
+            except (PeerUnavailable, ValueError) as exc:
+                log.warning("drafter release failed: %s", exc)
 
     def _peer_ok(self, name: str) -> bool:
         down = self._down.get(name)

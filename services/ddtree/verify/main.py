@@ -84,6 +84,13 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
                    help="a failed drafter/sidecar is bypassed this long before it is tried again")
 
 
+def handler_threads(args) -> int:
+    """A Generate stream holds a handler thread for its whole life, so the pool must fit every
+    running and queued request (plus a few for short calls): a smaller pool would silently cap
+    the decode batch and queue requests inside gRPC, out of the scheduler's sight."""
+    return args.max_running + args.max_queue + 8
+
+
 def engine_config(args, device: str = "cpu"):
     from ddtree.engine.budget import BudgetPolicy
     from ddtree.engine.engine import EngineConfig
@@ -138,7 +145,7 @@ def serve(args, provider, log: logging.Logger) -> int:
         setup = dataclasses.replace(setup, drafter=None, drafter_layer_ids=feature_layers(setup))
     config = engine_config(args, device)
     server = GrpcServer(ServerConfig(name="verify", host=args.host, port=args.port, tls_cert=args.tls_cert,
-                                     tls_key=args.tls_key), provider)
+                                     tls_key=args.tls_key, max_workers=handler_threads(args)), provider)
 
     supervisor, group = None, None
     if args.tp > 1:
