@@ -69,6 +69,9 @@ SERVER_SCRIPT = textwrap.dedent(
     server.install_signal_handlers()
     port = server.start()
     server.set_serving(True)
+    if "--main-blocks-sigterm" in sys.argv:  # gRPC's threads do not: the signal lands on one of them
+        import signal
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     print(port, flush=True)
     server.wait()
     sys.exit(0)
@@ -76,8 +79,9 @@ SERVER_SCRIPT = textwrap.dedent(
 )
 
 
-def test_sigterm_stops_a_server_process_within_the_grace_period(subprocess_env):
-    proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT], stdout=subprocess.PIPE,
+@pytest.mark.parametrize("args", [[], ["--main-blocks-sigterm"]], ids=["plain", "main-thread-blocks-sigterm"])
+def test_sigterm_stops_a_server_process_within_the_grace_period(subprocess_env, args):
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=subprocess_env)
     try:
         port = int(proc.stdout.readline())

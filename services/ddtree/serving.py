@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -21,6 +22,8 @@ from ddtree.grpc_options import MAX_MESSAGE_BYTES, server_options
 from ddtree.telemetry import TracingServerInterceptor, shutdown_tracing
 
 log = logging.getLogger(__name__)
+
+WAIT_SLICE_S = 0.25   # how often a waiting main thread wakes to run pending signal handlers
 
 
 class BindError(RuntimeError):
@@ -126,8 +129,18 @@ class GrpcServer:
         self.stop()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Blocks until stop() completed; True if it did within the timeout."""
-        return self._stopped.wait(timeout)
+        """Blocks until stop() completed; True if it did within the timeout.
+
+        Waits in short slices: Python runs signal handlers only in the main thread, and a SIGTERM
+        delivered to another thread (the main thread blocking it: seen on the H200, where a drafter
+        slept through `ddtree up`'s SIGTERM until killed) cannot wake a wait without a timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
+            if self._stopped.wait(max(0.0, left)):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
 
 
 def serve_until_stopped(server: GrpcServer, *, on_stop: Callable[[], None] | None = None, **log_extra: Any) -> int:
