@@ -182,6 +182,16 @@ def test_thread_mode_and_bad_mode(tmp_path, monkeypatch):
         setup_tracing("ddtree-bad", set_global=False)
 
 
-def test_processor_needs_a_destination():
+def test_processor_needs_a_destination_and_a_sane_delay(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="needs an OTLP endpoint or a trace file"):
         ChildProcessSpanProcessor(Resource.get_empty(), otlp=False, trace_file=None)
+    for bad in ("soon", "0"):
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", bad)
+        with pytest.raises(ValueError, match="OTEL_BSP_SCHEDULE_DELAY must be"):
+            ChildProcessSpanProcessor(Resource.get_empty(), otlp=False, trace_file=str(tmp_path / "x"))
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "250")
+    processor = ChildProcessSpanProcessor(Resource.get_empty(), otlp=False, trace_file=str(tmp_path / "x"))
+    try:
+        assert processor._interval_s == 0.25
+    finally:
+        processor.shutdown()

@@ -20,6 +20,7 @@ import argparse
 import collections
 import logging
 import marshal
+import os
 import select
 import signal
 import struct
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<I")
 EXPORT_BATCH = 512   # spans per exporter call in the child (the OTLP exporter's usual batch)
+DEFAULT_INTERVAL_S = 0.1   # spans reach the child (and the collector) within ~this
 
 
 # ---- the wire: ReadableSpan <-> tuple of plain values -------------------------------------------
@@ -115,9 +117,19 @@ class ChildProcessSpanProcessor(SpanProcessor):
     """Ships every sampled finished span to an exporter child process (see the module docstring)."""
 
     def __init__(self, resource: Resource, *, otlp: bool, trace_file: str | None,
-                 interval_s: float = 0.1, max_pending: int = 16384):
+                 interval_s: float | None = None, max_pending: int = 16384):
+        """interval_s: how often pending spans go to the child (default: OTEL_BSP_SCHEDULE_DELAY,
+        the SDK processor's export delay, in ms when set; else 0.1 s)."""
         if not otlp and not trace_file:
             raise ValueError("ChildProcessSpanProcessor needs an OTLP endpoint or a trace file")
+        if interval_s is None:
+            delay_ms = os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "").strip()
+            try:
+                interval_s = float(delay_ms) / 1000 if delay_ms else DEFAULT_INTERVAL_S
+            except ValueError:
+                raise ValueError(f"OTEL_BSP_SCHEDULE_DELAY must be milliseconds, got {delay_ms!r}") from None
+            if interval_s <= 0:
+                raise ValueError(f"OTEL_BSP_SCHEDULE_DELAY must be positive, got {delay_ms!r}")
         cmd = [sys.executable, "-m", "ddtree.telemetry.export_process", *(["--otlp"] if otlp else []),
                *(["--trace-file", trace_file] if trace_file else [])]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
