@@ -341,6 +341,28 @@ def test_an_idle_engine_flushes_deferred_drafter_releases(models):
         eng.stop()
 
 
+class UnreachableOnFlush(DeferringDrafter):
+    def flush_releases(self):
+        self.flushed.append("tried")
+        raise PeerUnavailable("drafter: connection refused")
+
+
+def test_a_failed_idle_flush_bypasses_the_drafter_instead_of_retrying_every_idle_tick(models):
+    from ddtree.engine.loader import load_target, local_drafter
+
+    target, drafter = models
+    setup = ModelSetup(target=str(target), drafter=str(drafter))
+    tgt = load_target(setup, CONFIG)
+    unreachable = UnreachableOnFlush(local_drafter(setup, tgt, CONFIG))
+    eng = build_local_engine(setup, CONFIG, target=tgt, drafter=unreachable).start()
+    try:
+        collect(eng.submit(spec(eng, prompts(1, seed=5)[0], "ddtree", 6)))
+        time.sleep(0.5)   # ten idle ticks
+        assert unreachable.flushed == ["tried"] and "drafter" in eng._down
+    finally:
+        eng.stop()
+
+
 class NanDrafter(LocalDrafter):
     """The real drafter whose log-probs turn NaN on every other step (a numerically broken peer)."""
 

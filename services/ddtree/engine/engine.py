@@ -368,7 +368,9 @@ class Engine:
         if self.drafter is not None and "drafter" not in self._down:
             try:
                 self.drafter.flush_releases()
-            except (PeerUnavailable, ValueError) as exc:
+            except PeerUnavailable as exc:   # bypassed until reattach_after_s; reattaching drops the queue
+                self._mark_down("drafter", exc)
+            except ValueError as exc:
                 log.warning("drafter release failed: %s", exc)
 
     def _peer_ok(self, name: str) -> bool:
