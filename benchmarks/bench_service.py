@@ -24,8 +24,10 @@ Every file starts with the command, the git commit and the device that produced 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 import os
+import random
 import signal
 import socket
 import statistics
@@ -35,9 +37,6 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
-
-import dataclasses
-import random
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc

@@ -67,6 +67,17 @@ def collect(handle):
             return tokens, chunks, ev
 
 
+def engine_with_drafter(models, wrap, cfg=CONFIG):
+    """A started engine whose in-process drafter is `wrap(the real LocalDrafter)`; (engine, wrapped)."""
+    from ddtree.engine.loader import load_target, local_drafter
+
+    target, drafter = models
+    setup = ModelSetup(target=str(target), drafter=str(drafter))
+    tgt = load_target(setup, cfg)
+    wrapped = wrap(local_drafter(setup, tgt, cfg))
+    return build_local_engine(setup, cfg, target=tgt, drafter=wrapped).start(), wrapped
+
+
 def run_concurrently(engine, specs):
     """One client thread per request, all submitted at once (the engine batches them)."""
     if len(specs) > 48:  # stay under the queue limit
@@ -259,16 +270,10 @@ class FailingDrafter(LocalDrafter):
 
 
 def test_drafter_failure_degrades_to_ar_and_output_is_unchanged(engine, models):
-    target, drafter = models
     ps = prompts(4, seed=21)
     expected = [r[0] for r in run_concurrently(engine, [spec(engine, p, "ar", 14) for p in ps])]
     cfg = EngineConfig(scheduler=CONFIG.scheduler, budget=CONFIG.budget, max_tokens_limit=64, reattach_after_s=0.3)
-    from ddtree.engine.loader import load_target, local_drafter
-
-    setup = ModelSetup(target=str(target), drafter=str(drafter))
-    tgt = load_target(setup, cfg)
-    flaky = FailingDrafter(local_drafter(setup, tgt, cfg), ok_calls=3)
-    eng = build_local_engine(setup, cfg, target=tgt, drafter=flaky).start()
+    eng, flaky = engine_with_drafter(models, lambda d: FailingDrafter(d, ok_calls=3), cfg)
     try:
         results = run_concurrently(eng, [spec(eng, p, "ddtree", 14) for p in ps])
         assert [r[0] for r in results] == expected
@@ -322,13 +327,7 @@ class DeferringDrafter(LocalDrafter):
 
 
 def test_an_idle_engine_flushes_deferred_drafter_releases(models):
-    from ddtree.engine.loader import load_target, local_drafter
-
-    target, drafter = models
-    setup = ModelSetup(target=str(target), drafter=str(drafter))
-    tgt = load_target(setup, CONFIG)
-    deferring = DeferringDrafter(local_drafter(setup, tgt, CONFIG))
-    eng = build_local_engine(setup, CONFIG, target=tgt, drafter=deferring).start()
+    eng, deferring = engine_with_drafter(models, DeferringDrafter)
     try:
         results = run_concurrently(eng, [spec(eng, p, "ddtree", 6) for p in prompts(3, seed=4)])
         assert all(usage.mode is Mode.DDTREE for _, _, usage in results)
@@ -348,13 +347,7 @@ class UnreachableOnFlush(DeferringDrafter):
 
 
 def test_a_failed_idle_flush_bypasses_the_drafter_instead_of_retrying_every_idle_tick(models):
-    from ddtree.engine.loader import load_target, local_drafter
-
-    target, drafter = models
-    setup = ModelSetup(target=str(target), drafter=str(drafter))
-    tgt = load_target(setup, CONFIG)
-    unreachable = UnreachableOnFlush(local_drafter(setup, tgt, CONFIG))
-    eng = build_local_engine(setup, CONFIG, target=tgt, drafter=unreachable).start()
+    eng, unreachable = engine_with_drafter(models, UnreachableOnFlush)
     try:
         collect(eng.submit(spec(eng, prompts(1, seed=5)[0], "ddtree", 6)))
         time.sleep(0.5)   # ten idle ticks
@@ -377,12 +370,7 @@ class NanDrafter(LocalDrafter):
 
 
 def test_a_failed_tree_build_verifies_the_roots_and_output_is_unchanged(engine, models):
-    from ddtree.engine.loader import load_target, local_drafter
-
-    target, drafter = models
-    setup = ModelSetup(target=str(target), drafter=str(drafter))
-    tgt = load_target(setup, CONFIG)
-    eng = build_local_engine(setup, CONFIG, target=tgt, drafter=NanDrafter(local_drafter(setup, tgt, CONFIG))).start()
+    eng, _ = engine_with_drafter(models, NanDrafter)
     try:
         p = prompts(1, seed=8)[0]
         expected = collect(engine.submit(spec(engine, p, "ar", 12)))[0]
