@@ -366,8 +366,9 @@ def test_view_is_cached_validated_and_the_deferred_read_sums_every_byte(pair, mo
 
 def test_native_byte_sum_matches_torch():
     from ddtree.transport import fastpath
-    if fastpath.CPU_OPS is None:
-        pytest.skip("ddtree._C without the transport ops")
+    if fastpath.disabled():
+        pytest.skip("DDTREE_TRANSPORT_NATIVE=0: the torch path is under test")
+    assert fastpath.CPU_OPS is not None, "ddtree._C without the transport ops (rebuild: pip install --no-build-isolation -e .)"
     data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     data[: 1 << 20] = 255                                                    # lanes at their maximum
     cell = torch.zeros((), dtype=torch.int64)

@@ -143,8 +143,9 @@ def test_native_cuda_ops_match_torch():
     """ddtree._C's transport ops in this process: byte sum at odd offsets and sizes past the
     grid-stride limit, and event record/wait ordering a side stream's writes."""
     from ddtree.transport import fastpath
-    if fastpath.CUDA_OPS is None:
-        pytest.skip("ddtree._C without the CUDA transport ops")
+    if fastpath.disabled():
+        pytest.skip("DDTREE_TRANSPORT_NATIVE=0: the torch path is under test")
+    assert fastpath.CUDA_OPS is not None, "ddtree._C without the CUDA transport ops (rebuild: pip install --no-build-isolation -e .)"
     C, device = fastpath.CUDA_OPS, torch.device("cuda:0")
     data = torch.randint(0, 256, (9 << 20,), dtype=torch.uint8, device=device)
     cell = torch.full((), -1, dtype=torch.int64, device=device)

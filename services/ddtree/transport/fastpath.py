@@ -20,9 +20,14 @@ import torch
 NATIVE_ENV = "DDTREE_TRANSPORT_NATIVE"
 
 
+def disabled() -> bool:
+    """DDTREE_TRANSPORT_NATIVE=0 (or false/no/off): the torch path, for A/B runs."""
+    return os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def _load():
     """(ops for host memory, ops for CUDA) from ddtree._C, each None when unavailable or disabled."""
-    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if disabled():
         return None, None
     try:
         from ddtree import native
