@@ -74,45 +74,41 @@ __device__ __noinline__ bool tie_pops_before(uint32_t ca, uint32_t cb, const int
 //
 // The frontier is the head (the next candidate to pop, the same in every lane) plus the array of
 // the others in pop order, in registers strided over the warp: position j = 32 * k + lane in
-// score[k] / cand[k], valid for j < live. Keeping the head apart takes the array's update off the
-// pop-to-pop path: the next head is the better of the head's best offer and the array's first
-// entry (shuffled out at the top of the pop, while the offer's log-probs load), and the array
-// shifts (by at most one place, through lane shuffles also issued at the top) in its shadow.
+// score[k] / cand[k], valid for j < live. A warp issues in order, so the loop is laid out for
+// the pop-to-pop path: the next head is the better of the head's best offer and the array's
+// first entry, chosen (and its three log-probs loaded) before the array is compared and shifted;
+// the shuffles of the shifted array for the next pop are issued at the end of this one.
 template <int M, typename Staged>
 __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t* s_parent,
                           int16_t* s_rank, int8_t* s_depth, uint64_t* s_mask, int words, int lane) {
   double score[M];
   uint32_t cand[M];
+  double up_s[M], down_s[M];  // old[j - 1] and old[j + 1] of the array for the next shift
+  uint32_t up_c[M], down_c[M];
 #pragma unroll
   for (int k = 0; k < M; ++k) {
-    score[k] = 0.0;
-    cand[k] = 0;
+    score[k] = up_s[k] = down_s[k] = 0.0;
+    cand[k] = up_c[k] = down_c[k] = 0;
   }
+  // A candidate's offers need lp[d-1][r], lp[d-1][r+1] and lp[d][0] (indices clamped, so a
+  // candidate that has no sibling, no child, or that does not exist loads harmlessly).
+  auto offer_logprobs = [&](uint32_t c, double& at, double& next, double& child) {
+    const int r = min(candidate_rank(c), K - 1), d = max(candidate_depth(c), 1);
+    const Staged* row = s_lp + (d - 1) * K;
+    at = static_cast<double>(row[r]);
+    next = static_cast<double>(row[r + 1 < K ? r + 1 : r]);
+    child = static_cast<double>(s_lp[d < D ? d * K : 0]);
+  };
   double head_score = static_cast<double>(s_lp[0]);
   uint32_t head = pack_candidate(0, 0, 1);
+  double lp_at, lp_next, lp_child;
+  offer_logprobs(head, lp_at, lp_next, lp_child);
+  double first_s = 0.0;  // the array's first entry
+  uint32_t first_c = 0;
   int live = 0, n = 0;
   const int up_lane = (lane + kWarp - 1) % kWarp, down_lane = (lane + 1) % kWarp;
 
   while (n < budget) {
-    // Array values the pop needs, shuffled before anything depends on this pop: the first entry
-    // and, for the shift, old[j - 1] (up, row k) and old[j + 1] (down, row k). The new array
-    // has at most live + 1 entries, so rows past that are never read.
-    const double first_s = __shfl_sync(kFullMask, score[0], 0);
-    const uint32_t first_c = __shfl_sync(kFullMask, cand[0], 0);
-    double up_s[M], down_s[M];
-    uint32_t up_c[M], down_c[M];
-#pragma unroll
-    for (int k = 0; k < M; ++k) {
-      up_s[k] = down_s[k] = 0.0;
-      up_c[k] = down_c[k] = 0;
-      if (k * kWarp <= live) {
-        up_s[k] = __shfl_sync(kFullMask, score[k], up_lane);
-        up_c[k] = __shfl_sync(kFullMask, cand[k], up_lane);
-        down_s[k] = __shfl_sync(kFullMask, score[k], down_lane);
-        down_c[k] = __shfl_sync(kFullMask, cand[k], down_lane);
-      }
-    }
-
     ++n;
     const int p = candidate_parent(head), r = candidate_rank(head), d = candidate_depth(head);
     if (lane == 0) {
@@ -120,15 +116,12 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
       s_rank[n] = static_cast<int16_t>(r);
       s_depth[n] = static_cast<int8_t>(d);
     }
-    if (s_mask != nullptr && lane < words)
-      s_mask[n * words + lane] = s_mask[p * words + lane] | (n / 64 == lane ? uint64_t{1} << (n % 64) : 0);
-    // The two offers, in the contract's float64 operation order (indices clamped so the
-    // loads are unconditional; an offer that does not exist is dropped below).
+    const bool mask_lane = s_mask != nullptr && lane < words;
+    const uint64_t parent_row = mask_lane ? s_mask[p * words + lane] : 0;  // stored below
+    // The two offers, in the contract's float64 operation order.
     const bool has_sibling = r + 1 < K, has_child = d < D;
-    const Staged* row = s_lp + (d - 1) * K;
-    double sibling = head_score - static_cast<double>(row[r]);
-    sibling = sibling + static_cast<double>(row[has_sibling ? r + 1 : r]);
-    const double child = head_score + static_cast<double>(s_lp[has_child ? d * K : 0]);
+    const double sibling = (head_score - lp_at) + lp_next;
+    const double child = head_score + lp_child;
     // On equal scores the child (path p + [r, 0]) sorts before the sibling (p + [r + 1]).
     const bool child_first = has_child && (!has_sibling || child >= sibling);
     const int offers = has_child + has_sibling;
@@ -136,8 +129,16 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
     const uint32_t c1 = child_first ? pack_candidate(n, 0, d + 1) : pack_candidate(p, r + 1, d);
     const uint32_t c2 = child_first ? pack_candidate(p, r + 1, d) : pack_candidate(n, 0, d + 1);
 
+    // The next head (exactly equal scores are settled below) and its log-probs, loading while
+    // the array is compared and shifted.
+    bool first_next = live > 0 && (offers < 1 || first_s > s1);
+    double next_score = first_next ? first_s : s1;
+    uint32_t next_head = first_next ? first_c : c1;
+    double next_at, next_next, next_child;
+    offer_logprobs(next_head, next_at, next_next, next_child);
+
     // Which array entries pop before each offer (branch-free; exactly equal scores take a rare
-    // warp-uniform path through the rank paths), and whether the first one pops before o1.
+    // warp-uniform path through the rank paths).
     bool ahead1[M], ahead2[M];
     bool tie = false;
 #pragma unroll
@@ -147,7 +148,6 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
       ahead2[k] = valid && score[k] > s2;
       tie |= valid && ((offers >= 1 && score[k] == s1) || (offers >= 2 && score[k] == s2));
     }
-    bool first_next = live > 0 && (offers < 1 || first_s > s1);
     if (__any_sync(kFullMask, tie)) {  // exactly equal scores: compare rank paths (rare)
       __syncwarp();                    // node n is visible to the tie-breaks
 #pragma unroll
@@ -157,13 +157,20 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
           if (offers >= 2 && score[k] == s2) ahead2[k] = tie_pops_before(cand[k], c2, s_parent, s_rank);
         }
       }
-      first_next = live > 0 && (offers < 1 || __shfl_sync(kFullMask, ahead1[0], 0));
+      const bool first_ahead = __shfl_sync(kFullMask, ahead1[0], 0);
+      if (live > 0 && offers >= 1 && first_ahead != first_next) {
+        first_next = first_ahead;
+        next_score = first_next ? first_s : s1;
+        next_head = first_next ? first_c : c1;
+        offer_logprobs(next_head, next_at, next_next, next_child);
+      }
     }
+    if (mask_lane) s_mask[n * words + lane] = parent_row | (n / 64 == lane ? uint64_t{1} << (n % 64) : 0);
     if (!first_next && offers < 1) break;  // the frontier is empty (live == 0)
 
-    // The next head, and the insertions: x at qx, y at qy (qx < qy), positions in the new array.
-    // first_next: the array's first entry pops next (the array drops it) and both offers go in;
-    // otherwise o1 pops next and o2 goes in.
+    // The insertions, x at qx and y at qy (qx < qy), positions in the new array: when the
+    // array's first entry pops next the array drops it and both offers go in; otherwise o1
+    // pops next and o2 goes in.
     const int drop = first_next ? 1 : 0;
     int before1 = 0, before2 = 0;  // array entries at positions >= drop that pop before o1 / o2
 #pragma unroll
@@ -174,26 +181,20 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
         before2 += __popc(__ballot_sync(kFullMask, ahead2[k]) & ~skip);
       }
     }
-    int qx, qy = kNoPosition;
-    double xs = s2, ys = s2;
-    uint32_t xc = c2, yc = c2;
+    int qx = kNoPosition, qy = kNoPosition;
+    const double xs = first_next ? s1 : s2;
+    const uint32_t xc = first_next ? c1 : c2;
     if (first_next) {
-      head_score = first_s;
-      head = first_c;
-      qx = offers >= 1 ? before1 : kNoPosition;
+      if (offers >= 1) qx = before1;
       if (offers >= 2) qy = before2 + 1;
-      xs = s1;
-      xc = c1;
-    } else {
-      head_score = s1;
-      head = c1;
-      qx = offers >= 2 ? before2 : kNoPosition;
+    } else if (offers >= 2) {
+      qx = before2;
     }
-    // (one offer pops next or the array's first does: live - 1 + offers candidates stay; only
-    // positions < budget - n - 1 can still pop)
+    // One candidate pops next (an offer or the array's first): live - 1 + offers stay, and only
+    // positions < budget - n - 1 can still pop.
     const int next_live = min(min(live - 1 + offers, M * kWarp), budget - n - 1);
 
-    // Shift: new[j] = old[j + drop] before qx, x at qx, old[j + drop - 1] up to qy, y at qy,
+    // Shift: new[j] = old[j + drop] before qx, x at qx, old[j + drop - 1] up to qy, o2 at qy,
     // old[j - 1] after (only when drop = 1). old[j - 1] / old[j + 1] across the warp edge come
     // from row k - 1 / k + 1.
 #pragma unroll
@@ -204,31 +205,47 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
         const uint32_t below_c = lane == 0 ? (k > 0 ? up_c[k > 0 ? k - 1 : 0] : 0u) : up_c[k];
         const double above_s = lane == kWarp - 1 ? (k + 1 < M ? down_s[k + 1 < M ? k + 1 : k] : 0.0) : down_s[k];
         const uint32_t above_c = lane == kWarp - 1 ? (k + 1 < M ? down_c[k + 1 < M ? k + 1 : k] : 0u) : down_c[k];
-        double new_s;
-        uint32_t new_c;
+        double new_s = below_s;
+        uint32_t new_c = below_c;
         if (j < qx) {
           new_s = drop ? above_s : score[k];
           new_c = drop ? above_c : cand[k];
         } else if (j < qy) {
           new_s = drop ? score[k] : below_s;
           new_c = drop ? cand[k] : below_c;
-        } else {
-          new_s = below_s;
-          new_c = below_c;
         }
         if (j == qx) {
           new_s = xs;
           new_c = xc;
         }
         if (j == qy) {
-          new_s = ys;
-          new_c = yc;
+          new_s = s2;
+          new_c = c2;
         }
         score[k] = new_s;
         cand[k] = new_c;
       }
     }
     live = next_live;
+    head_score = next_score;
+    head = next_head;
+    lp_at = next_at;
+    lp_next = next_next;
+    lp_child = next_child;
+
+    // For the next pop: the array's first entry and the neighbour values of its rows. The new
+    // array after that pop has at most live + 1 entries, so rows past that are never read.
+    first_s = __shfl_sync(kFullMask, score[0], 0);
+    first_c = __shfl_sync(kFullMask, cand[0], 0);
+#pragma unroll
+    for (int k = 0; k < M; ++k) {
+      if (k * kWarp <= live) {
+        up_s[k] = __shfl_sync(kFullMask, score[k], up_lane);
+        up_c[k] = __shfl_sync(kFullMask, cand[k], up_lane);
+        down_s[k] = __shfl_sync(kFullMask, score[k], down_lane);
+        down_c[k] = __shfl_sync(kFullMask, cand[k], down_lane);
+      }
+    }
   }
   __syncwarp();
   return n;
