@@ -37,19 +37,14 @@ void check_cuda(cudaError_t err, const char* what) {
 }
 #endif
 
-// Shared memory of one build block: the ancestor rows of the nodes when they take at most
-// kMaskRowsLimit bytes (else write_outputs walks the parents), log-probs [D][K] (staged as double
-// when they fit, so a pop converts nothing), then node parent/rank/depth.
+// Shared memory of one build block: log-probs [D][K] (staged as double when they fit, so a pop
+// converts nothing), then node parent/rank/depth.
 constexpr size_t kDoubleStagingLimit = 200 * 1024;
-constexpr size_t kMaskRowsLimit = 32 * 1024;
 struct BuildShared {
   size_t bytes;
-  size_t mask_bytes, lp_offset, parent_offset, rank_offset, depth_offset;
+  size_t parent_offset, rank_offset, depth_offset;
   __host__ __device__ BuildShared(int D, int K, int N, size_t staged_size) {
-    mask_bytes = sizeof(uint64_t) * static_cast<size_t>(N + 1) * mask_words(N + 1);
-    if (mask_bytes > kMaskRowsLimit) mask_bytes = 0;
-    lp_offset = mask_bytes;
-    parent_offset = lp_offset + staged_size * static_cast<size_t>(D) * K;
+    parent_offset = staged_size * static_cast<size_t>(D) * K;
     rank_offset = parent_offset + sizeof(int16_t) * (N + 1);
     depth_offset = rank_offset + sizeof(int16_t) * (N + 1);
     bytes = depth_offset + (N + 1);
@@ -67,48 +62,30 @@ __device__ __noinline__ bool tie_pops_before(uint32_t ca, uint32_t cb, const int
 
 
 // The sequential best-first loop of one warp (the exact algorithm, pop by pop). Node 0 of
-// s_parent/s_rank/s_depth must hold the root. With s_mask (rows of `words` uint64 words, row 0
-// holding the root's bit), lane w < words also writes word w of each popped node's ancestor row
-// (its parent's row | its own bit: every lane reads only words it wrote). Returns the number
-// of nodes popped.
-//
-// The frontier is the head (the next candidate to pop, the same in every lane) plus the array of
-// the others in pop order, in registers strided over the warp: position j = 32 * k + lane in
-// score[k] / cand[k], valid for j < live. A warp issues in order, so the loop is laid out for
-// the pop-to-pop path: the next head is the better of the head's best offer and the array's
-// first entry, chosen (and its three log-probs loaded) before the array is compared and shifted;
-// the shuffles of the shifted array for the next pop are issued at the end of this one.
+// s_parent/s_rank/s_depth must hold the root. Returns the number of nodes popped.
 template <int M, typename Staged>
 __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t* s_parent,
-                          int16_t* s_rank, int8_t* s_depth, uint64_t* s_mask, int words, int lane) {
+                          int16_t* s_rank, int8_t* s_depth, int lane) {
+  // Frontier position j = k * 32 + lane lives in score[k] / cand[k]; positions < live are
+  // valid, in pop order. live <= min(32 * M, budget - n): later positions could never pop.
   double score[M];
   uint32_t cand[M];
-  double up_s[M], down_s[M];  // old[j - 1] and old[j + 1] of the array for the next shift
-  uint32_t up_c[M], down_c[M];
 #pragma unroll
   for (int k = 0; k < M; ++k) {
-    score[k] = up_s[k] = down_s[k] = 0.0;
-    cand[k] = up_c[k] = down_c[k] = 0;
+    score[k] = 0.0;
+    cand[k] = 0;
   }
-  // A candidate's offers need lp[d-1][r], lp[d-1][r+1] and lp[d][0] (indices clamped, so a
-  // candidate that has no sibling, no child, or that does not exist loads harmlessly).
-  auto offer_logprobs = [&](uint32_t c, double& at, double& next, double& child) {
-    const int r = min(candidate_rank(c), K - 1), d = max(candidate_depth(c), 1);
-    const Staged* row = s_lp + (d - 1) * K;
-    at = static_cast<double>(row[r]);
-    next = static_cast<double>(row[r + 1 < K ? r + 1 : r]);
-    child = static_cast<double>(s_lp[d < D ? d * K : 0]);
-  };
-  double head_score = static_cast<double>(s_lp[0]);
-  uint32_t head = pack_candidate(0, 0, 1);
-  double lp_at, lp_next, lp_child;
-  offer_logprobs(head, lp_at, lp_next, lp_child);
-  double first_s = 0.0;  // the array's first entry
-  uint32_t first_c = 0;
-  int live = 0, n = 0;
+  if (lane == 0) {
+    score[0] = static_cast<double>(s_lp[0]);
+    cand[0] = pack_candidate(0, 0, 1);
+  }
+  int live = 1;
   const int up_lane = (lane + kWarp - 1) % kWarp, down_lane = (lane + 1) % kWarp;
 
-  while (n < budget) {
+  int n = 0;
+  while (n < budget && live > 0) {
+    const double head_score = __shfl_sync(kFullMask, score[0], 0);
+    const uint32_t head = __shfl_sync(kFullMask, cand[0], 0);
     ++n;
     const int p = candidate_parent(head), r = candidate_rank(head), d = candidate_depth(head);
     if (lane == 0) {
@@ -116,12 +93,13 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
       s_rank[n] = static_cast<int16_t>(r);
       s_depth[n] = static_cast<int8_t>(d);
     }
-    const bool mask_lane = s_mask != nullptr && lane < words;
-    const uint64_t parent_row = mask_lane ? s_mask[p * words + lane] : 0;  // stored below
-    // The two offers, in the contract's float64 operation order.
+    // The two offers, in the contract's float64 operation order (indices clamped so the
+    // loads are unconditional; an offer that does not exist is dropped below).
     const bool has_sibling = r + 1 < K, has_child = d < D;
-    const double sibling = (head_score - lp_at) + lp_next;
-    const double child = head_score + lp_child;
+    const Staged* row = s_lp + (d - 1) * K;
+    double sibling = head_score - static_cast<double>(row[r]);
+    sibling = sibling + static_cast<double>(row[has_sibling ? r + 1 : r]);
+    const double child = head_score + static_cast<double>(s_lp[has_child ? d * K : 0]);
     // On equal scores the child (path p + [r, 0]) sorts before the sibling (p + [r + 1]).
     const bool child_first = has_child && (!has_sibling || child >= sibling);
     const int offers = has_child + has_sibling;
@@ -129,21 +107,13 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
     const uint32_t c1 = child_first ? pack_candidate(n, 0, d + 1) : pack_candidate(p, r + 1, d);
     const uint32_t c2 = child_first ? pack_candidate(p, r + 1, d) : pack_candidate(n, 0, d + 1);
 
-    // The next head (exactly equal scores are settled below) and its log-probs, loading while
-    // the array is compared and shifted.
-    bool first_next = live > 0 && (offers < 1 || first_s > s1);
-    double next_score = first_next ? first_s : s1;
-    uint32_t next_head = first_next ? first_c : c1;
-    double next_at, next_next, next_child;
-    offer_logprobs(next_head, next_at, next_next, next_child);
-
-    // Which array entries pop before each offer (branch-free; exactly equal scores take a rare
-    // warp-uniform path through the rank paths).
+    // Positions of the offers among the frontier without its head: count what pops first.
     bool ahead1[M], ahead2[M];
     bool tie = false;
 #pragma unroll
     for (int k = 0; k < M; ++k) {
-      const bool valid = k * kWarp + lane < live;
+      const int j = k * kWarp + lane;
+      const bool valid = j > 0 && j < live;
       ahead1[k] = valid && score[k] > s1;
       ahead2[k] = valid && score[k] > s2;
       tie |= valid && ((offers >= 1 && score[k] == s1) || (offers >= 2 && score[k] == s2));
@@ -152,110 +122,77 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
       __syncwarp();                    // node n is visible to the tie-breaks
 #pragma unroll
       for (int k = 0; k < M; ++k) {
-        if (k * kWarp + lane < live) {
+        const int j = k * kWarp + lane;
+        if (j > 0 && j < live) {
           if (offers >= 1 && score[k] == s1) ahead1[k] = tie_pops_before(cand[k], c1, s_parent, s_rank);
           if (offers >= 2 && score[k] == s2) ahead2[k] = tie_pops_before(cand[k], c2, s_parent, s_rank);
         }
       }
-      const bool first_ahead = __shfl_sync(kFullMask, ahead1[0], 0);
-      if (live > 0 && offers >= 1 && first_ahead != first_next) {
-        first_next = first_ahead;
-        next_score = first_next ? first_s : s1;
-        next_head = first_next ? first_c : c1;
-        offer_logprobs(next_head, next_at, next_next, next_child);
-      }
     }
-    if (mask_lane) s_mask[n * words + lane] = parent_row | (n / 64 == lane ? uint64_t{1} << (n % 64) : 0);
-    if (!first_next && offers < 1) break;  // the frontier is empty (live == 0)
-
-    // The insertions, x at qx and y at qy (qx < qy), positions in the new array: when the
-    // array's first entry pops next the array drops it and both offers go in; otherwise o1
-    // pops next and o2 goes in.
-    const int drop = first_next ? 1 : 0;
-    int before1 = 0, before2 = 0;  // array entries at positions >= drop that pop before o1 / o2
+    int q1 = 0, q2 = 1;  // s1 goes before s2
 #pragma unroll
     for (int k = 0; k < M; ++k) {
       if (k * kWarp < live) {
-        const unsigned skip = k == 0 ? static_cast<unsigned>(drop) : 0u;
-        before1 += __popc(__ballot_sync(kFullMask, ahead1[k]) & ~skip);
-        before2 += __popc(__ballot_sync(kFullMask, ahead2[k]) & ~skip);
+        q1 += __popc(__ballot_sync(kFullMask, ahead1[k]));
+        q2 += __popc(__ballot_sync(kFullMask, ahead2[k]));
       }
     }
-    int qx = kNoPosition, qy = kNoPosition;
-    const double xs = first_next ? s1 : s2;
-    const uint32_t xc = first_next ? c1 : c2;
-    if (first_next) {
-      if (offers >= 1) qx = before1;
-      if (offers >= 2) qy = before2 + 1;
-    } else if (offers >= 2) {
-      qx = before2;
-    }
-    // One candidate pops next (an offer or the array's first): live - 1 + offers stay, and only
-    // positions < budget - n - 1 can still pop.
-    const int next_live = min(min(live - 1 + offers, M * kWarp), budget - n - 1);
+    if (offers < 1) q1 = kNoPosition;
+    if (offers < 2) q2 = kNoPosition;
+    const int next_live = min(min(live - 1 + offers, M * kWarp), budget - n);
 
-    // Shift: new[j] = old[j + drop] before qx, x at qx, old[j + drop - 1] up to qy, o2 at qy,
-    // old[j - 1] after (only when drop = 1). old[j - 1] / old[j + 1] across the warp edge come
-    // from row k - 1 / k + 1.
+    // Shift: new[j] = old[j+1] before q1, s1 at q1, old[j] up to q2, s2 at q2, old[j-1] after.
+    // old[j-1] / old[j+1] come from the neighbour lane (row k-1 / k+1 across the warp edge).
+    double up_s_prev = 0.0, down_s = 0.0;
+    uint32_t up_c_prev = 0, down_c = 0;
+    down_s = __shfl_sync(kFullMask, score[0], down_lane);
+    down_c = __shfl_sync(kFullMask, cand[0], down_lane);
 #pragma unroll
     for (int k = 0; k < M; ++k) {
       if (k * kWarp < next_live) {
+        const double old_s = score[k];
+        const uint32_t old_c = cand[k];
+        const double up_s = __shfl_sync(kFullMask, old_s, up_lane);
+        const uint32_t up_c = __shfl_sync(kFullMask, old_c, up_lane);
+        double down_next_s = 0.0;
+        uint32_t down_next_c = 0;
+        if (k + 1 < M) {
+          down_next_s = __shfl_sync(kFullMask, score[k + 1], down_lane);
+          down_next_c = __shfl_sync(kFullMask, cand[k + 1], down_lane);
+        }
+        const double below_s = lane == 0 ? up_s_prev : up_s;  // old[j-1]
+        const uint32_t below_c = lane == 0 ? up_c_prev : up_c;
+        const double above_s = lane == kWarp - 1 ? down_next_s : down_s;  // old[j+1]
+        const uint32_t above_c = lane == kWarp - 1 ? down_next_c : down_c;
         const int j = k * kWarp + lane;
-        const double below_s = lane == 0 ? (k > 0 ? up_s[k > 0 ? k - 1 : 0] : 0.0) : up_s[k];
-        const uint32_t below_c = lane == 0 ? (k > 0 ? up_c[k > 0 ? k - 1 : 0] : 0u) : up_c[k];
-        const double above_s = lane == kWarp - 1 ? (k + 1 < M ? down_s[k + 1 < M ? k + 1 : k] : 0.0) : down_s[k];
-        const uint32_t above_c = lane == kWarp - 1 ? (k + 1 < M ? down_c[k + 1 < M ? k + 1 : k] : 0u) : down_c[k];
-        double new_s = below_s;
-        uint32_t new_c = below_c;
-        if (j < qx) {
-          new_s = drop ? above_s : score[k];
-          new_c = drop ? above_c : cand[k];
-        } else if (j < qy) {
-          new_s = drop ? score[k] : below_s;
-          new_c = drop ? cand[k] : below_c;
+        double new_s = j < q1 ? above_s : (j < q2 ? old_s : below_s);
+        uint32_t new_c = j < q1 ? above_c : (j < q2 ? old_c : below_c);
+        if (j == q1) {
+          new_s = s1;
+          new_c = c1;
         }
-        if (j == qx) {
-          new_s = xs;
-          new_c = xc;
-        }
-        if (j == qy) {
+        if (j == q2) {
           new_s = s2;
           new_c = c2;
         }
         score[k] = new_s;
         cand[k] = new_c;
+        up_s_prev = up_s;
+        up_c_prev = up_c;
+        down_s = down_next_s;
+        down_c = down_next_c;
       }
     }
     live = next_live;
-    head_score = next_score;
-    head = next_head;
-    lp_at = next_at;
-    lp_next = next_next;
-    lp_child = next_child;
-
-    // For the next pop: the array's first entry and the neighbour values of its rows. The new
-    // array after that pop has at most live + 1 entries, so rows past that are never read.
-    first_s = __shfl_sync(kFullMask, score[0], 0);
-    first_c = __shfl_sync(kFullMask, cand[0], 0);
-#pragma unroll
-    for (int k = 0; k < M; ++k) {
-      if (k * kWarp <= live) {
-        up_s[k] = __shfl_sync(kFullMask, score[k], up_lane);
-        up_c[k] = __shfl_sync(kFullMask, cand[k], up_lane);
-        down_s[k] = __shfl_sync(kFullMask, score[k], down_lane);
-        down_c[k] = __shfl_sync(kFullMask, cand[k], down_lane);
-      }
-    }
   }
   __syncwarp();
   return n;
 }
 
-// Outputs of request b, padding included, by threads tid = 0..nthreads-1. Mask rows come from
-// s_mask (rows 0..n, written by warp_build) when given, else from walking the parents.
+// Outputs of request b, padding included, by threads tid = 0..nthreads-1.
 __device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int b, int n,
                               int32_t status, const int16_t* s_parent, const int16_t* s_rank,
-                              const int8_t* s_depth, const uint64_t* s_mask, int tid, int nthreads) {
+                              const int8_t* s_depth, int tid, int nthreads) {
   const int D = in.depth, K = in.topk, N = in.max_budget, W = mask_words(N + 1);
   const int32_t* ids = in.ids + static_cast<long>(b) * D * K;
   int32_t* tokens = out.tokens + static_cast<long>(b) * N;
@@ -274,17 +211,14 @@ __device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int 
     }
   }
   for (int i = tid; i <= N; i += nthreads) parents[i] = (i >= 1 && i <= n) ? s_parent[i] : -1;
-  if (s_mask != nullptr) {
-    for (int idx = tid; idx < (N + 1) * W; idx += nthreads) mask[idx] = idx < (n + 1) * W ? s_mask[idx] : 0;
-  } else {  // row i, word w: the ancestors of i (parents have smaller indices) in the word
-    for (int idx = tid; idx < (N + 1) * W; idx += nthreads) {
-      const int row = idx / W, lo = (idx - row * W) * 64;
-      uint64_t bits = 0;
-      if (row <= n)
-        for (int v = row; v >= lo; v = s_parent[v])
-          if (v < lo + 64) bits |= uint64_t{1} << (v - lo);
-      mask[idx] = bits;
-    }
+  // Row i, word w: the ancestors of i (parents have smaller indices) that fall in the word.
+  for (int idx = tid; idx < (N + 1) * W; idx += nthreads) {
+    const int row = idx / W, lo = (idx - row * W) * 64;
+    uint64_t bits = 0;
+    if (row <= n)
+      for (int v = row; v >= lo; v = s_parent[v])
+        if (v < lo + 64) bits |= uint64_t{1} << (v - lo);
+    mask[idx] = bits;
   }
   if (tid == 0) {
     out.num_nodes[b] = n;
@@ -299,9 +233,7 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
   const int D = in.depth, K = in.topk, N = in.max_budget;
   const int b = blockIdx.x, lane = threadIdx.x;
   const BuildShared layout(D, K, N, sizeof(Staged));
-  Staged* s_lp = reinterpret_cast<Staged*>(smem + layout.lp_offset);
-  uint64_t* s_mask = layout.mask_bytes ? reinterpret_cast<uint64_t*>(smem) : nullptr;
-  const int W = mask_words(N + 1);
+  Staged* s_lp = reinterpret_cast<Staged*>(smem);
   int16_t* s_parent = reinterpret_cast<int16_t*>(smem + layout.parent_offset);
   int16_t* s_rank = reinterpret_cast<int16_t*>(smem + layout.rank_offset);
   int8_t* s_depth = reinterpret_cast<int8_t*>(smem + layout.depth_offset);
@@ -335,7 +267,6 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
     s_rank[0] = 0;
     s_depth[0] = 0;
   }
-  if (s_mask != nullptr && lane < W) s_mask[lane] = lane == 0 ? 1 : 0;  // the root's row: itself
   __syncwarp();
   const int step = vectorized ? 4 : 1;  // pairs (i - 1, i) left to compare: i % step == 0
   for (int i = lane * step; i < numel; i += kWarp * step)
@@ -348,9 +279,9 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
   if (budget < 1 || budget > N) status = kBadBudget;
 
   int n = 0;
-  if (status == kOk) n = warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, s_mask, W, lane);
+  if (status == kOk) n = warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, lane);
   __syncwarp();
-  write_outputs(in, out, b, n, status, s_parent, s_rank, s_depth, s_mask, lane, kWarp);
+  write_outputs(in, out, b, n, status, s_parent, s_rank, s_depth, lane, kWarp);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -777,13 +708,13 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
   if (tid == 0 && status == kOk) DDTREE_BLOCK_PATH(fallback, exact);
   if (fallback) {  // block-uniform: the exact sequential loop on warp 0
     if (tid < kWarp) {
-      n = warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, nullptr, 0, tid);
+      n = warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, tid);
       if (tid == 0) sh.n = n;
     }
     __syncthreads();
     n = sh.n;
   }
-  write_outputs(in, out, b, n, status, s_parent, s_rank, s_depth, nullptr, tid, kBlock);
+  write_outputs(in, out, b, n, status, s_parent, s_rank, s_depth, tid, kBlock);
 }
 
 // Block build: pool capacity (slots) for this launch, or 0 when the block kernel does not fit.
