@@ -19,6 +19,8 @@ Two read modes, both reported:
                  per step) and timed with CUDA events (column "gpu"): hand-off + one host sync.
 Each step alternates with an empty Probe of the same style (column "empty"; unary empties carry
 the plain metadata); ratio = p50 / empty p50. The cuda_ipc goal is judged on read=deferred.
+--rounds R (cuda_ipc): each cell's steps run as R rounds, every cell in turn per round, and ratio is
+the median of the R rounds' ratios (a slow stretch of the machine moves one round, not one cell).
 
 Payloads: (a) draft top-k [B, 16, 64] fp32 log-probs + int32 ids, packed in one slot and sent
 as one [B, 16, 128] 4-byte ref (the wire size of the real two-ref DraftReply is reported too);
@@ -103,9 +105,27 @@ def measure(call, make_request, iters, warmup, expect=None, verify=None, call_em
             raise RuntimeError(f"checksum mismatch at step {i}: the server read wrong bytes")
     if verify is not None:
         verify(iters)
-    p50, p99 = percentiles(total)
-    return dict(p50_ms=p50, p99_ms=p99, empty_p50_ms=percentiles(bare)[0], prep_ms=percentiles(prep)[0],
-                server_ms=percentiles(server)[0], gpu_ms=percentiles(gpu)[0])
+    return summarize(dict(total=total, bare=bare, prep=prep, server=server, gpu=gpu))
+
+
+def summarize(samples: dict) -> dict:
+    """p50/p99 of the step, p50 of its paired empty RPC and of prep/server/gpu (seconds -> ms)."""
+    p50, p99 = percentiles(samples["total"])
+    return dict(p50_ms=p50, p99_ms=p99, empty_p50_ms=percentiles(samples["bare"])[0],
+                prep_ms=percentiles(samples["prep"])[0], server_ms=percentiles(samples["server"])[0],
+                gpu_ms=percentiles(samples["gpu"])[0], samples=samples)
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One cell over its rounds: p50/p99 etc. of all steps pooled; `ratio` = the median of the
+    rounds' own p50 / empty-p50 ratios (a slow stretch of the machine shifts one round, and both
+    sides of that round's pairs alike)."""
+    pooled = {k: [x for r in rounds for x in r["samples"][k]] for k in rounds[0]["samples"]}
+    out = summarize(pooled)
+    out["round_ratios"] = [r["p50_ms"] / r["empty_p50_ms"] for r in rounds]
+    out["ratio"] = float(np.median(out["round_ratios"]))
+    out["pooled_ratio"] = out["p50_ms"] / out["empty_p50_ms"]
+    return out
 
 
 def deferred_sums(link: PeerLink) -> list[int]:
@@ -184,6 +204,9 @@ def main() -> int:
     p.add_argument("--big-iters", type=int, default=30, help="steps per case over 4 MiB")
     p.add_argument("--huge-iters", type=int, default=10, help="steps per inline case over 32 MiB (~1 s each)")
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="split each cell's steps into this many rounds, all cells of a kind in turn per round "
+                        "(ratio = median of the rounds' ratios)")
     p.add_argument("--out", default=None, help="write the report here too")
     args = p.parse_args()
     gpu = args.device.startswith("cuda")
@@ -225,6 +248,8 @@ def main() -> int:
         stream = Stream(link)
         results["empty", "unary"] = measure(unary_call, lambda i: empty, args.iters, args.warmup)
         results["empty", "stream"] = measure(stream.call, lambda i: empty, args.iters, args.warmup)
+        for key in (("empty", "unary"), ("empty", "stream")):
+            results[key].pop("samples")
         stream.close()
         say()
         say("## RPC style: empty Probe, per-message round trip (ms)")
@@ -237,7 +262,8 @@ def main() -> int:
         max_bytes = max(torch.Size(shape).numel() * dt.itemsize for _, _, dt, shape in payloads(batches))
         say()
         say("## Hand-off per step (ms); each step alternates with an empty RPC of the same style (column 'empty');")
-        say("## ratio = p50 / empty p50; bytes = request on the wire; read = deferred (sum enqueued, all checked after")
+        say("## ratio = p50 / empty p50 (--rounds R > 1: the median of the rounds' ratios, with their range and the")
+        say("## ratio of the pooled p50s); bytes = request on the wire; read = deferred (sum enqueued, all checked after")
         say("## the loop) | sync (sum read back per step); prep = client record+send (inline: serialization);")
         say("## server = handler (resolve + read); gpu = read kernel (read=sync only)")
         say(f"{'payload':9s} {'B':>3s} {'kind':9s} {'style':7s} {'read':9s} {'MiB':>8s} {'p50':>9s} {'p99':>9s} "
@@ -259,48 +285,60 @@ def main() -> int:
             calls = {("unary", "sync"): plain,
                      ("unary", "deferred"): lambda r, md=deferred_md, lk=lk: lk.stub.Probe(r, metadata=md),
                      ("stream", "sync"): streams["sync"].call, ("stream", "deferred"): streams["deferred"].call}
-            for name, b, dtype, shape in payloads(batches):
-                numel = torch.Size(shape).numel()
-                raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8)
-                data = raw.view(dtype).reshape(shape)
-                if dtype.is_floating_point:   # no NaN patterns: keep the bytes of finite numbers
-                    data = torch.randn(shape).to(dtype)
-                refs = [region.put(slot, data.to(region.device)) for slot in range(2)]
-                if region.device.type == "cuda":
-                    torch.cuda.synchronize(region.device)
-                expect = checksum(data)
-                nbytes = numel * dtype.itemsize
-                iters = args.big_iters if nbytes > (4 << 20) else args.iters
-                if kind == "inline" and nbytes > (32 << 20):
-                    iters = args.huge_iters
-                warmup = min(args.warmup, max(3, iters // 3))
+            rounds = max(1, args.rounds) if kind == "cuda_ipc" else 1
+            cells: dict = {}   # key -> (per-round results, MiB, request bytes, total steps)
+            for rnd in range(rounds):
+                for name, b, dtype, shape in payloads(batches):
+                    numel = torch.Size(shape).numel()
+                    raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8)
+                    data = raw.view(dtype).reshape(shape)
+                    if dtype.is_floating_point:   # no NaN patterns: keep the bytes of finite numbers
+                        data = torch.randn(shape).to(dtype)
+                    refs = [region.put(slot, data.to(region.device)) for slot in range(2)]
+                    if region.device.type == "cuda":
+                        torch.cuda.synchronize(region.device)
+                    expect = checksum(data)
+                    nbytes = numel * dtype.itemsize
+                    iters = args.big_iters if nbytes > (4 << 20) else args.iters
+                    if kind == "inline" and nbytes > (32 << 20):
+                        iters = args.huge_iters
+                    iters = max(1, iters // rounds)
+                    warmup = min(args.warmup, max(3, iters // 3))
 
-                def make(i, refs=refs, region=region, lk=lk):
-                    slot = i % 2
-                    region.record(slot)
-                    return transport_pb2.ProbeRequest(step_id=i, input=lk.send(refs[slot]))
+                    def make(i, refs=refs, region=region, lk=lk):
+                        slot = i % 2
+                        region.record(slot)
+                        return transport_pb2.ProbeRequest(step_id=i, input=lk.send(refs[slot]))
 
-                for style in ("unary", "stream"):
-                    if style == "stream" and (kind != "cuda_ipc" and not (kind == kinds[0] and name == "topk")):
-                        continue  # stream vs unary per payload: on the zero-copy kind only
-                    for read in ("deferred", "sync"):
-                        if read == "deferred" and kind == "inline":
-                            continue  # inline: the decode dominates; shown for contrast only
-                        if read == "deferred":
-                            what = f"{name} B={b} {kind} {style}"
-                            r = measure(calls[style, read], make, iters, warmup,
-                                        verify=verify_deferred(lk, expect, what),
-                                        call_empty=plain if style == "unary" else None)
-                        else:
-                            r = measure(calls[style, read], make, iters, warmup, expect)
-                        r["request_bytes"] = size = make(0).ByteSize()
-                        r["ratio"] = ratio = r["p50_ms"] / r["empty_p50_ms"]
-                        r["iters"] = iters
-                        results[name, b, kind, style, read] = r
-                        gpu_col = f"{r['gpu_ms']:7.3f}" if read == "sync" else f"{'-':>7s}"
-                        say(f"{name:9s} {b:3d} {kind:9s} {style:7s} {read:9s} {nbytes / 2**20:8.3f} {r['p50_ms']:9.3f} "
-                            f"{r['p99_ms']:9.3f} {ratio:7.2f} {r['empty_p50_ms']:7.3f} {size:10d} {r['prep_ms']:8.3f} "
-                            f"{r['server_ms']:8.3f} {gpu_col}")
+                    for style in ("unary", "stream"):
+                        if style == "stream" and (kind != "cuda_ipc" and not (kind == kinds[0] and name == "topk")):
+                            continue  # stream vs unary per payload: on the zero-copy kind only
+                        for read in ("deferred", "sync"):
+                            if read == "deferred" and kind == "inline":
+                                continue  # inline: the decode dominates; shown for contrast only
+                            if read == "deferred":
+                                what = f"{name} B={b} {kind} {style}"
+                                r = measure(calls[style, read], make, iters, warmup,
+                                            verify=verify_deferred(lk, expect, what),
+                                            call_empty=plain if style == "unary" else None)
+                            else:
+                                r = measure(calls[style, read], make, iters, warmup, expect)
+                            cell = cells.setdefault((name, b, kind, style, read),
+                                                    ([], nbytes / 2**20, make(0).ByteSize(), 0))
+                            cell[0].append(r)
+                            cells[name, b, kind, style, read] = (cell[0], cell[1], cell[2], cell[3] + iters)
+            for key, (per_round, mib, size, steps) in cells.items():
+                name, b, _, style, read = key
+                r = combine_rounds(per_round)
+                r.pop("samples")
+                r["request_bytes"], r["iters"] = size, steps
+                results[key] = r
+                gpu_col = f"{r['gpu_ms']:7.3f}" if read == "sync" else f"{'-':>7s}"
+                spread = (f"  rounds {min(r['round_ratios']):.2f}-{max(r['round_ratios']):.2f} "
+                          f"pooled {r['pooled_ratio']:.2f}" if len(per_round) > 1 else "")
+                say(f"{name:9s} {b:3d} {kind:9s} {style:7s} {read:9s} {mib:8.3f} {r['p50_ms']:9.3f} "
+                    f"{r['p99_ms']:9.3f} {r['ratio']:7.2f} {r['empty_p50_ms']:7.3f} {size:10d} {r['prep_ms']:8.3f} "
+                    f"{r['server_ms']:8.3f} {gpu_col}{spread}")
             for st in streams.values():
                 st.close()
             if kind in ("cuda_ipc", "shm") and lk.kind != INLINE:
