@@ -202,9 +202,10 @@ DECODE_HEADER = ("verify_decode batch nodes  h  prefix | new config             
 
 
 def decode_row(work, gen, batch: int, nodes: int, heads: int, prefix: int) -> str:
-    """One decode shape: new and old config, eager and graph timing; `diff`: max |new - old| over
-    max |old| (fused vs two-launch merge on the GPU); `same`: the new config's output is bitwise
-    the same after all the graph replays (the fused merge's counters stayed in step)."""
+    """One decode shape: the launch config ("new") and the same rule without the wide 64-key
+    decode tile ("old": launch_config(..., wide_tiles=False), the launch of 2026-11-29), eager and
+    graph timing; `diff`: max |new - old| over max |old|; `same`: the new config's output is
+    bitwise the same after all the graph replays (the fused merge's counters stayed in step)."""
     from ddtree.kernels import launch_config, mla_verify_attention_triton
     inputs = work.case(batch, nodes, heads, prefix, gen)
     kv_bound = inputs[3].shape[1] * PAGE
@@ -213,7 +214,7 @@ def decode_row(work, gen, batch: int, nodes: int, heads: int, prefix: int) -> st
     copy_e = nbytes / timed(lambda: dst.copy_(src)) / 1e3
     copy_g = nbytes / graph_us(lambda: dst.copy_(src)) / 1e3
     configs = (launch_config(nodes * heads, batch, kv_bound, torch.device("cuda")),
-               old_config(nodes * heads, batch, kv_bound))
+               launch_config(nodes * heads, batch, kv_bound, torch.device("cuda"), wide_tiles=False))
     first = [mla_verify_attention_triton(*inputs, 0.05, config=cfg) for cfg in configs]
     cells, graph_times = [], []
     for cfg in configs:
@@ -230,7 +231,7 @@ def decode_row(work, gen, batch: int, nodes: int, heads: int, prefix: int) -> st
 
 
 def run_decode(args) -> list[str]:
-    """Decode shapes: new vs old launch config, eager and graph-replay timing, % of copy bandwidth."""
+    """Decode shapes: new vs old (no wide tile) launch config, eager and graph-replay timing, % of copy bandwidth."""
     work = Workload(64, 32768, 4)
     gen = torch.Generator().manual_seed(2)
     lines, deadline = [emit(args, DECODE_HEADER)], time.monotonic() + args.seconds

@@ -134,7 +134,8 @@ def test_matches_float64_reference(tail, heads, prefixes, page_size, kind):
 
 @pytest.mark.parametrize("config", [(16, 16, 4, 1, 1), (16, 16, 4, 1, 4), (32, 32, 4, 2, 8), (16, 16, 4, 1, 40),
                                     (16, 16, 4, 1, 12, "separate"), (16, 32, 4, 5, 4, "fused"),
-                                    (16, 32, 4, 5, 4, "pdl")])
+                                    (16, 32, 4, 5, 4, "pdl"), (16, 64, 4, 2, 4, "fused"),
+                                    (16, 64, 4, 2, 12, "separate")])
 def test_split_counts_and_tiles_agree_with_reference(config):
     """Splits beyond the tiles a request has (empty splits) and tiles across page boundaries; the
     merge kinds ("pdl": a programmatic dependent launch on CUDA, the separate merge elsewhere)."""
@@ -142,6 +143,22 @@ def test_split_counts_and_tiles_agree_with_reference(config):
     mask = tree_mask(2, 12, gen)
     inputs = make_inputs([40, 3], 13, 2, 16, mask, gen)
     check_against_reference(inputs, scale=0.3, config=config)
+
+
+@pytest.mark.skipif(not CUDA, reason="the default launch of a long decode batch (GPU shapes)")
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_wide_decode_tile_default_launch_matches_reference(page_size):
+    """The launch that long BLOCK_M 16 splits get by default (64-key tiles, WIDE_TILE), fused
+    (B 64) and separate (B 16) merges, ragged prefixes, against float64."""
+    from ddtree.kernels import launch_config
+    for batch, heads in ((16, 16), (64, 8)):
+        gen = torch.Generator().manual_seed(batch + page_size)
+        prefixes = [8191 - 37 * i for i in range(batch)]
+        inputs = make_inputs(prefixes, 1, heads, page_size, causal_bitmask(1).expand(batch, -1, -1).contiguous(), gen)
+        kv_bound = inputs[3].shape[1] * page_size
+        config = launch_config(heads, batch, kv_bound, torch.device(DEVICE))
+        assert config[1] == 64, config
+        check_against_reference(inputs, scale=(C + R) ** -0.5)
 
 
 @pytest.mark.parametrize("splits", [2, 12])
@@ -192,9 +209,12 @@ def test_launch_config_one_wave_one_row_block(monkeypatch):
                 for forced in ("fused", "separate"):
                     cfg = launch_config(rows, batch, kv, dev, merge=forced)
                     assert cfg[5] in (forced, "none")
-    # the H200 sweep's fastest launches (benchmarks/results/h200/verify_attn_decode.txt)
-    assert launch_config(16, 16, 8192, dev) == (16, 32, 4, km.SPLIT_STAGES, 16, "separate")
-    assert launch_config(8, 64, 8192, dev) == (16, 32, 4, km.SPLIT_STAGES, 4, "fused")
+    # the H200 sweeps' fastest launches (benchmarks/results/h200/verify_attn_decode.txt): long
+    # BLOCK_M 16 splits stream 64-key tiles (WIDE_TILE), unless asked not to
+    assert launch_config(16, 16, 8192, dev) == (16, 64, 4, 2, 16, "separate")
+    assert launch_config(8, 64, 8192, dev) == (16, 64, 4, 2, 4, "fused")
+    assert launch_config(16, 16, 8192, dev, wide_tiles=False) == (16, 32, 4, km.SPLIT_STAGES, 16, "separate")
+    assert launch_config(8, 64, 8192, dev, wide_tiles=False) == (16, 32, 4, km.SPLIT_STAGES, 4, "fused")
     assert launch_config(16, 1, 32768, dev) == (16, 32, 4, 3, 256, "separate")  # 4 tiles per split: 3 stages
     assert launch_config(256 * 16, 64, 8192, dev)[4] == 1  # enough programs: no split
     assert launch_config(65 * 16, 1, 8256, dev) == (64, 32, 8, 3, 16, "separate")  # rows > 64: earlier rule

@@ -242,11 +242,16 @@ SPLIT_STAGES = 5     # BLOCK_M 16: two KV tiles in flight per program (102 KB sh
 PIPELINED_MIN_TILES = 8  # ... when a split reads at least this many tiles; shorter splits run 3 stages
                          # (H200, 2026-11-29 21:34: 4 tiles per split 6-19% faster with 3, 16 equal,
                          # 64 faster with 5; benchmarks/results/h200/verify_attn_decode.txt)
+WIDE_TILE = (64, 4, 2)   # (BLOCK_N, warps, stages) of those long BLOCK_M 16 splits: 64-key tiles, 2 in
+                         # flight (144 KB shared, 1 program/SM), the split count still that of 32-key
+                         # tiles. H200, 2026-11-30, 32k prefixes: B 64 597 vs 924 us (95% vs 61% of copy
+                         # bandwidth), B 16 175-178 vs 257-259 us (82-84% vs 57%); 8 warps or 3 stages
+                         # slower (.diag sweep in the session note; verify_attn_decode.txt)
 FUSED_MAX_SPLITS = 4  # rows <= 64: the last program merges alone; beyond this many splits its serial
                       # read of the partials costs more than a second launch (H200 sweep of 2026-11-29,
                       # benchmarks/results/h200/verify_attn_decode.txt)
 def launch_config(rows_per_request: int, batch: int, max_kv_len: int, device: torch.device, *,
-                  merge: str = "auto") -> tuple[int, int, int, int, int, str]:
+                  merge: str = "auto", wide_tiles: bool = True) -> tuple[int, int, int, int, int, str]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, splits, merge) for one call.
 
     BLOCK_M = pow2(rows per request) up to 64: for rows <= 64 one program row block holds all of
@@ -255,8 +260,10 @@ def launch_config(rows_per_request: int, batch: int, max_kv_len: int, device: to
     program slots in ONE wave (never a nearly empty second wave), each split >= MIN_SPLIT_TILES
     tiles; up to FUSED_MAX_SPLITS splits the merge is fused into the kernel (the last program of a
     request merges), beyond it a second launch. Both rules are what the H200 decode sweep measured
-    fastest. merge="fused" or "separate" forces the merge kind (when splits > 1). max_kv_len is a
-    host-side bound (block-table width x page size): no device sync.
+    fastest. Splits of BLOCK_M 16 that stream at least PIPELINED_MIN_TILES 32-key tiles run the
+    WIDE_TILE launch (64-key tiles, 2 stages; wide_tiles=False keeps the 32-key 5-stage one, for
+    side-by-side runs). merge="fused" or "separate" forces the merge kind (when splits > 1).
+    max_kv_len is a host-side bound (block-table width x page size): no device sync.
 
     Rows > 64 (the compute-bound trees) keep the earlier rule, unchanged and measured: about
     SPLIT_WAVES programs per SM, >= MIN_SPLIT_TILES tiles per split, 3 stages, merged by the
@@ -281,6 +288,8 @@ def launch_config(rows_per_request: int, batch: int, max_kv_len: int, device: to
     if merge == "auto":
         merge = "fused" if max_splits <= FUSED_MAX_SPLITS else "separate"
     pipelined = block_m == 16 and tiles // max_splits >= PIPELINED_MIN_TILES
+    if pipelined and wide_tiles:
+        return block_m, WIDE_TILE[0], WIDE_TILE[1], WIDE_TILE[2], max_splits, merge
     return block_m, block_n, warps, SPLIT_STAGES if pipelined else 3, max_splits, merge
 
 
