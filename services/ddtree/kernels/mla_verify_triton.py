@@ -246,7 +246,7 @@ WIDE_TILE = (64, 4, 2)   # (BLOCK_N, warps, stages) of those long BLOCK_M 16 spl
                          # flight (144 KB shared, 1 program/SM), the split count still that of 32-key
                          # tiles. H200, 2026-11-30, 32k prefixes: B 64 597 vs 924 us (95% vs 61% of copy
                          # bandwidth), B 16 175-178 vs 257-259 us (82-84% vs 57%); 8 warps or 3 stages
-                         # slower (.diag sweep in the session note; verify_attn_decode.txt)
+                         # slower (benchmarks/results/h200/verify_attn_decode.txt)
 FUSED_MAX_SPLITS = 4  # rows <= 64: the last program merges alone; beyond this many splits its serial
                       # read of the partials costs more than a second launch (H200 sweep of 2026-11-29,
                       # benchmarks/results/h200/verify_attn_decode.txt)
