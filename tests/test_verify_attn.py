@@ -151,9 +151,9 @@ def test_wide_decode_tile_default_launch_matches_reference(page_size):
     """The launch that long BLOCK_M 16 splits get by default (64-key tiles, WIDE_TILE), fused
     (B 64) and separate (B 16) merges, ragged prefixes, against float64."""
     from ddtree.kernels import launch_config
-    for batch, heads in ((16, 16), (64, 8)):
+    for batch, heads in ((16, 16), (64, 8), (1, 16)):
         gen = torch.Generator().manual_seed(batch + page_size)
-        prefixes = [8191 - 37 * i for i in range(batch)]
+        prefixes = [8191 - 37 * i for i in range(batch)] if batch > 1 else [32767]
         inputs = make_inputs(prefixes, 1, heads, page_size, causal_bitmask(1).expand(batch, -1, -1).contiguous(), gen)
         kv_bound = inputs[3].shape[1] * page_size
         config = launch_config(heads, batch, kv_bound, torch.device(DEVICE))
@@ -204,7 +204,7 @@ def test_launch_config_one_wave_one_row_block(monkeypatch):
                 assert bm >= rows and bm in (16, 32, 64)
                 slots = 132 * (2 if bm <= 32 else 1)
                 assert batch * splits <= max(slots, batch)
-                assert splits == 1 or -(-kv // bn) // splits >= km.MIN_SPLIT_TILES
+                assert splits == 1 or -(-kv // 32) // splits >= km.MIN_SPLIT_TILES  # counted in 32-key tiles
                 assert (merge == "none") == (splits == 1) and merge in km.MERGES
                 for forced in ("fused", "separate"):
                     cfg = launch_config(rows, batch, kv, dev, merge=forced)
@@ -215,7 +215,9 @@ def test_launch_config_one_wave_one_row_block(monkeypatch):
     assert launch_config(8, 64, 8192, dev) == (16, 64, 4, 2, 4, "fused")
     assert launch_config(16, 16, 8192, dev, wide_tiles=False) == (16, 32, 4, km.SPLIT_STAGES, 16, "separate")
     assert launch_config(8, 64, 8192, dev, wide_tiles=False) == (16, 32, 4, km.SPLIT_STAGES, 4, "fused")
-    assert launch_config(16, 1, 32768, dev) == (16, 32, 4, 3, 256, "separate")  # 4 tiles per split: 3 stages
+    assert launch_config(16, 1, 8192, dev) == (16, 32, 4, 3, 64, "separate")  # 4 tiles per split: 3 stages
+    assert launch_config(16, 1, 32768, dev) == (16, 64, 4, 2, 132, "separate")  # one wide split per SM
+    assert launch_config(16, 1, 32768, dev, wide_tiles=False) == (16, 32, 4, 3, 256, "separate")
     assert launch_config(256 * 16, 64, 8192, dev)[4] == 1  # enough programs: no split
     assert launch_config(65 * 16, 1, 8256, dev) == (64, 32, 8, 3, 16, "separate")  # rows > 64: earlier rule
     with pytest.raises(ValueError, match="merge must be"):

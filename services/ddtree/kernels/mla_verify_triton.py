@@ -247,6 +247,9 @@ WIDE_TILE = (64, 4, 2)   # (BLOCK_N, warps, stages) of those long BLOCK_M 16 spl
                          # tiles. H200, 2026-11-30, 32k prefixes: B 64 597 vs 924 us (95% vs 61% of copy
                          # bandwidth), B 16 175-178 vs 257-259 us (82-84% vs 57%); 8 warps or 3 stages
                          # slower (benchmarks/results/h200/verify_attn_decode.txt)
+WIDE_MIN_TILES = 7  # 32-key tiles per split from which WIDE_TILE runs; a request that would split
+                    # beyond the SM count (B 1, long prefix) splits once per SM instead and runs
+                    # it too (B 1, 32k: 132 splits 30.9 us against 256 narrow 40.8, wide 41.2)
 FUSED_MAX_SPLITS = 4  # rows <= 64: the last program merges alone; beyond this many splits its serial
                       # read of the partials costs more than a second launch (H200 sweep of 2026-11-29,
                       # benchmarks/results/h200/verify_attn_decode.txt)
@@ -260,9 +263,10 @@ def launch_config(rows_per_request: int, batch: int, max_kv_len: int, device: to
     program slots in ONE wave (never a nearly empty second wave), each split >= MIN_SPLIT_TILES
     tiles; up to FUSED_MAX_SPLITS splits the merge is fused into the kernel (the last program of a
     request merges), beyond it a second launch. Both rules are what the H200 decode sweep measured
-    fastest. Splits of BLOCK_M 16 that stream at least PIPELINED_MIN_TILES 32-key tiles run the
-    WIDE_TILE launch (64-key tiles, 2 stages; wide_tiles=False keeps the 32-key 5-stage one, for
-    side-by-side runs). merge="fused" or "separate" forces the merge kind (when splits > 1).
+    fastest. Splits of BLOCK_M 16 that stream at least WIDE_MIN_TILES 32-key tiles run the
+    WIDE_TILE launch (64-key tiles, 2 stages), and a request that would split beyond the SM count
+    splits once per SM; wide_tiles=False keeps the earlier 32-key launch (5 stages from
+    PIPELINED_MIN_TILES tiles per split), for side-by-side runs. merge="fused" or "separate" forces the merge kind (when splits > 1).
     max_kv_len is a host-side bound (block-table width x page size): no device sync.
 
     Rows > 64 (the compute-bound trees) keep the earlier rule, unchanged and measured: about
@@ -283,13 +287,15 @@ def launch_config(rows_per_request: int, batch: int, max_kv_len: int, device: to
         return (block_m, block_n, warps, 3, splits,
                 "none" if splits == 1 else "fused" if merge == "fused" else "separate")
     max_splits = min(tiles // MIN_SPLIT_TILES, slots // programs) if programs < slots else 1
+    if wide_tiles and block_m == 16 and max_splits > sms and tiles // sms >= WIDE_MIN_TILES:
+        max_splits = sms  # one request, long prefix: wide splits, one per SM (fewer partials to merge)
     if max_splits <= 1:
         return block_m, block_n, warps, 3, 1, "none"
     if merge == "auto":
         merge = "fused" if max_splits <= FUSED_MAX_SPLITS else "separate"
-    pipelined = block_m == 16 and tiles // max_splits >= PIPELINED_MIN_TILES
-    if pipelined and wide_tiles:
+    if wide_tiles and block_m == 16 and tiles // max_splits >= WIDE_MIN_TILES:
         return block_m, WIDE_TILE[0], WIDE_TILE[1], WIDE_TILE[2], max_splits, merge
+    pipelined = block_m == 16 and tiles // max_splits >= PIPELINED_MIN_TILES
     return block_m, block_n, warps, SPLIT_STAGES if pipelined else 3, max_splits, merge
 
 
