@@ -243,7 +243,7 @@ PIPELINED_MIN_TILES = 8  # ... when a split reads at least this many tiles; shor
                          # (H200, 2026-11-29 21:34: 4 tiles per split 6-19% faster with 3, 16 equal,
                          # 64 faster with 5; benchmarks/results/h200/verify_attn_decode.txt)
 WIDE_TILE = (64, 4, 2)   # (BLOCK_N, warps, stages) of those long BLOCK_M 16 splits: 64-key tiles, 2 in
-                         # flight (144 KB shared, 1 program/SM), the split count still that of 32-key
+                         # flight, the split count still that of 32-key (2 programs/SM of slots)
                          # tiles. H200, 2026-11-30, 32k prefixes: B 64 597 vs 924 us (95% vs 61% of copy
                          # bandwidth), B 16 175-178 vs 257-259 us (82-84% vs 57%); 8 warps or 3 stages
                          # slower (benchmarks/results/h200/verify_attn_decode.txt)
