@@ -242,9 +242,9 @@ SPLIT_STAGES = 5     # BLOCK_M 16: two KV tiles in flight per program (102 KB sh
 PIPELINED_MIN_TILES = 8  # ... when a split reads at least this many tiles; shorter splits run 3 stages
                          # (H200, 2026-11-29 21:34: 4 tiles per split 6-19% faster with 3, 16 equal,
                          # 64 faster with 5; benchmarks/results/h200/verify_attn_decode.txt)
-WIDE_TILE = (64, 4, 2)   # (BLOCK_N, warps, stages) of those long BLOCK_M 16 splits: 64-key tiles, 2 in
-                         # flight, the split count still that of 32-key (2 programs/SM of slots)
-                         # tiles. H200, 2026-11-30, 32k prefixes: B 64 597 vs 924 us (95% vs 61% of copy
+WIDE_TILE = (64, 4, 2)   # (BLOCK_N, warps, stages) of long BLOCK_M 16 splits: 64-key tiles, 2 in flight,
+                         # split counts still those of 32-key tiles and 2 program slots per SM.
+                         # H200, 2026-11-30, 32k prefixes: B 64 597 vs 924 us (95% vs 61% of copy
                          # bandwidth), B 16 175-178 vs 257-259 us (82-84% vs 57%); 8 warps or 3 stages
                          # slower (benchmarks/results/h200/verify_attn_decode.txt)
 WIDE_MIN_TILES = 7  # 32-key tiles per split from which WIDE_TILE runs; a request that would split
