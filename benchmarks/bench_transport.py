@@ -9,12 +9,15 @@ directly. A hand-off step (the timed part, client wall clock) is:
   3. consumer (server handler): resolve the ref (validation, or the cached view of an already
      validated descriptor; cuda_ipc: its stream waits on the slot's event; inline: decode + copy
      to the device) and READ every byte once on its device (byte sum), then reply.
-Two read modes, both reported:
+Three read modes, all reported (resolve and deferred on the zero-copy kinds):
   read=deferred  the byte sum is enqueued on the consumer's stream into a per-step cell of a
                  preallocated ring (no host sync in the step), like a real step handler that
                  queues work and replies; after the timed loop the ring comes back through the
                  server's probe region and every step's sum is checked (all must equal the data's).
                  The "gpu" column is then not measured (see the read=sync row).
+  read=resolve   the hand-off alone: the consumer resolves the ref (cuda_ipc: its stream now waits
+                 on the slot event) and nothing reads the bytes (the other rows of the same run
+                 prove them); what the read adds is deferred minus resolve.
   read=sync      the sum is read back to the host inside the step (checksum in the reply, checked
                  per step) and timed with CUDA events (column "gpu"): hand-off + one host sync.
 Each step alternates with an empty Probe of the same style (column "empty"; unary empties carry
@@ -44,7 +47,7 @@ import numpy as np
 import torch
 
 from ddtree.grpc_options import channel_options
-from ddtree.transport import DEFERRED_READ, INLINE, PeerLink, Transport, TransportConfig, checksum, fastpath
+from ddtree.transport import DEFERRED_READ, INLINE, RESOLVE_ONLY, PeerLink, Transport, TransportConfig, checksum, fastpath
 from ddtree.transport.service import _SumRing
 from ddtree.v1 import drafter_pb2, tensor_pb2, transport_pb2
 
@@ -235,7 +238,8 @@ def main() -> int:
     say("# step = producer record(slot) + send + request build -> one RPC carrying the TensorRef -> consumer resolve")
     say("#   (validation, or the cached view of a known descriptor; cuda_ipc: its stream waits on the slot event) + a read")
     say("#   of every byte on its device (byte sum) -> reply. read=deferred: the sum is enqueued into a per-step ring cell,")
-    say("#   no host sync, all sums checked after the loop; read=sync: the sum is read back per step (one host sync).")
+    say("#   no host sync, all sums checked after the loop; read=sync: the sum is read back per step (one host sync);")
+    say("#   read=resolve: the hand-off alone (resolve, nothing read).")
     say("#   Writing the slot is not counted. Each step alternates with an empty RPC of the same style ('empty').")
     results: dict = {}
     try:
@@ -281,10 +285,13 @@ def main() -> int:
             lk.attach(inline=kind == "inline")
             plain = lambda r, lk=lk: lk.stub.Probe(r, metadata=lk.metadata)  # noqa: E731
             deferred_md = lk.metadata + DEFERRED_READ
-            streams = {"sync": Stream(lk), "deferred": Stream(lk, DEFERRED_READ)}
+            resolve_md = lk.metadata + RESOLVE_ONLY
+            streams = {"sync": Stream(lk), "deferred": Stream(lk, DEFERRED_READ), "resolve": Stream(lk, RESOLVE_ONLY)}
             calls = {("unary", "sync"): plain,
                      ("unary", "deferred"): lambda r, md=deferred_md, lk=lk: lk.stub.Probe(r, metadata=md),
-                     ("stream", "sync"): streams["sync"].call, ("stream", "deferred"): streams["deferred"].call}
+                     ("unary", "resolve"): lambda r, md=resolve_md, lk=lk: lk.stub.Probe(r, metadata=md),
+                     ("stream", "sync"): streams["sync"].call, ("stream", "deferred"): streams["deferred"].call,
+                     ("stream", "resolve"): streams["resolve"].call}
             rounds = max(1, args.rounds) if kind == "cuda_ipc" else 1
             cells: dict = {}   # key -> (per-round results, MiB, request bytes, total steps)
             for rnd in range(rounds):
@@ -313,13 +320,16 @@ def main() -> int:
                     for style in ("unary", "stream"):
                         if style == "stream" and (kind != "cuda_ipc" and not (kind == kinds[0] and name == "topk")):
                             continue  # stream vs unary per payload: on the zero-copy kind only
-                        for read in ("deferred", "sync"):
-                            if read == "deferred" and kind == "inline":
+                        for read in ("deferred", "resolve", "sync"):
+                            if read != "sync" and kind == "inline":
                                 continue  # inline: the decode dominates; shown for contrast only
                             if read == "deferred":
                                 what = f"{name} B={b} {kind} {style}"
                                 r = measure(calls[style, read], make, iters, warmup,
                                             verify=verify_deferred(lk, expect, what),
+                                            call_empty=plain if style == "unary" else None)
+                            elif read == "resolve":
+                                r = measure(calls[style, read], make, iters, warmup,
                                             call_empty=plain if style == "unary" else None)
                             else:
                                 r = measure(calls[style, read], make, iters, warmup, expect)
@@ -368,7 +378,7 @@ def main() -> int:
         say(f"descriptor messages < 512 bytes whatever the size: {'PASS' if max_desc < 512 else 'FAIL'} "
             f"(largest {max_desc} bytes)")
         if "cuda_ipc" in kinds:
-            for read in ("deferred", "sync"):
+            for read in ("deferred", "resolve", "sync"):
                 ratios = {k[:4]: v["ratio"] for k, v in results.items() if len(k) == 5 and k[2] == "cuda_ipc"
                           and k[4] == read}
                 worst = max(ratios.items(), key=lambda kv: kv[1])

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ddtree.grpc_options import channel_options
-from ddtree.transport import DEFERRED_READ, SHM, PeerLink, Transport, TransportConfig, checksum
+from ddtree.transport import DEFERRED_READ, RESOLVE_ONLY, SHM, PeerLink, Transport, TransportConfig, checksum
 from ddtree.v1 import tensor_pb2, transport_pb2
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8, torch.bool,
@@ -191,6 +191,32 @@ def test_deferred_reads_are_all_checked_after_the_run(link):
     bad.slot = 9
     _expect(grpc.StatusCode.INVALID_ARGUMENT, "slot 9 out of range", link.stub.Probe,
             transport_pb2.ProbeRequest(input=bad), metadata=link.metadata + DEFERRED_READ, timeout=10)
+
+
+def test_resolve_only_probes_hand_off_without_reading(link):
+    """read=resolve (the benchmark's hand-off alone): each input is resolved and nothing is read
+    or summed; a bad ref is still refused, and so is an unknown read mode."""
+    import queue
+    probe = link.transport.probe
+    md = link.metadata + RESOLVE_ONLY
+    q: queue.Queue = queue.Queue()
+    replies = link.stub.ProbeStream(iter(q.get, None), metadata=md)
+    for step in range(20):
+        request = transport_pb2.ProbeRequest(step_id=step, input=probe.put(step % probe.slot_count,
+                                                                          torch.arange(64, dtype=torch.int32)))
+        q.put(request)
+        reply = next(replies)
+        assert reply.step_id == step and reply.checksum == 0
+        reply = link.stub.Probe(request, metadata=md, timeout=30)
+        assert reply.step_id == step and reply.checksum == 0
+    q.put(None)
+    bad = tensor_pb2.TensorRef()
+    bad.CopyFrom(request.input)
+    bad.shape[:] = [1 << 40]
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "in shape [1099511627776]", link.stub.Probe, transport_pb2.ProbeRequest(input=bad),
+            metadata=md, timeout=10)
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "must be one of sync, deferred, resolve", link.stub.Probe,
+            transport_pb2.ProbeRequest(), metadata=link.metadata + (("ddtree-probe-read", "later"),), timeout=10)
 
 
 def test_deferred_reads_over_an_inline_link(server):

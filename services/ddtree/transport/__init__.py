@@ -20,7 +20,7 @@ _EXPORTS = {
     "ddtree.transport.region": ["Region", "ImportedRegion", "CUDA_IPC", "SHM", "INLINE", "align", "kind_name"],
     "ddtree.transport.service": ["TransportServicer", "add_transport_service", "attach", "serve_peer",
                                  "transport_errors", "peer_id_of", "checksum", "PEER_METADATA_KEY",
-                                 "PROBE_READ_METADATA_KEY", "DEFERRED_READ"],
+                                 "PROBE_READ_METADATA_KEY", "DEFERRED_READ", "RESOLVE_ONLY"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

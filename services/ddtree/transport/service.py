@@ -21,9 +21,13 @@ PEER_METADATA_KEY = "ddtree-peer-id"
 # Probe read mode, call metadata (a stream's: once, at open). "deferred": the server only enqueues
 # each input's byte sum into a per-peer ring (no host sync; ProbeReply.checksum stays 0); a later
 # request with echo=True and no input returns the ring (int64 [n], entry step_id % n) in its probe
-# region and zeroes it. Absent (or "sync"): checksum read back per request.
+# region and zeroes it. "resolve": the hand-off alone: the input is resolved (validated or cached,
+# our stream ordered after the producer's event) and nothing reads it. Absent (or "sync"):
+# checksum read back per request.
 PROBE_READ_METADATA_KEY = "ddtree-probe-read"
 DEFERRED_READ = ((PROBE_READ_METADATA_KEY, "deferred"),)
+RESOLVE_ONLY = ((PROBE_READ_METADATA_KEY, "resolve"),)
+READ_MODES = ("sync", "deferred", "resolve")
 SUM_RING_MAX = 1 << 14
 
 
@@ -88,12 +92,14 @@ def _byte_sum(tensor: torch.Tensor) -> torch.Tensor:
     return _bytes(tensor).sum(dtype=torch.int64)
 
 
-def _read_mode(context: grpc.ServicerContext) -> bool:
-    """True when the call asked for deferred reads (PROBE_READ_METADATA_KEY)."""
+def _read_mode(context: grpc.ServicerContext) -> str:
+    """The call's probe read mode (PROBE_READ_METADATA_KEY): one of READ_MODES, "sync" by default."""
     for key, value in context.invocation_metadata() or ():
         if key == PROBE_READ_METADATA_KEY:
-            return value == "deferred"
-    return False
+            if value not in READ_MODES:
+                raise TransportError(f"{PROBE_READ_METADATA_KEY} must be one of {', '.join(READ_MODES)}, got {value!r}")
+            return value
+    return "sync"
 
 
 class _SumRing:
@@ -158,11 +164,14 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
             self.transport.detach(request.peer_id, token=request.token)
         return transport_pb2.DetachReply()
 
-    def _probe(self, request: transport_pb2.ProbeRequest, scope, deferred: bool = False) -> transport_pb2.ProbeReply:
+    def _probe(self, request: transport_pb2.ProbeRequest, scope, mode: str = "sync") -> transport_pb2.ProbeReply:
         start = time.perf_counter()
         reply = transport_pb2.ProbeReply(step_id=request.step_id)
+        deferred = mode == "deferred"
         if request.HasField("input"):
-            if deferred and not request.echo:
+            if mode == "resolve" and not request.echo:
+                scope.resolve(request.input)   # the hand-off alone: usable in stream order, not read
+            elif deferred and not request.echo:
                 # the deferred read (the step): the input's cached View, then its byte sum into
                 # ring[step_id % n] on the current stream after the slot's event; nothing waits
                 view = scope.view(request.input)
@@ -225,10 +234,10 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
 
     def ProbeStream(self, request_iterator, context):
         with serve_peer(self.transport, context) as scope:
-            deferred = _read_mode(context)
+            mode = _read_mode(context)
             for request in request_iterator:
                 try:
-                    yield self._probe(request, scope, deferred)
+                    yield self._probe(request, scope, mode)
                 except TransportError as exc:
                     context.abort(exc.grpc_code, str(exc))
 
