@@ -49,7 +49,8 @@ import numpy as np
 import torch
 
 from ddtree.grpc_options import channel_options
-from ddtree.transport import DEFERRED_READ, INLINE, RESOLVE_ONLY, PeerLink, Transport, TransportConfig, checksum, fastpath
+from ddtree.transport import (DEFERRED_READ, INLINE, RESOLVE_ONLY, PeerLink, Transport, TransportConfig, checksum,
+                              fastpath)
 from ddtree.transport.service import _SumRing
 from ddtree.v1 import drafter_pb2, tensor_pb2, transport_pb2
 
@@ -268,9 +269,10 @@ def main() -> int:
         max_bytes = max(torch.Size(shape).numel() * dt.itemsize for _, _, dt, shape in payloads(batches))
         say()
         say("## Hand-off per step (ms); each step alternates with an empty RPC of the same style (column 'empty');")
-        say("## ratio = p50 / empty p50 (--rounds R > 1: the median of the rounds' ratios, with their range and the")
-        say("## ratio of the pooled p50s); bytes = request on the wire; read = deferred (sum enqueued, all checked after")
-        say("## the loop) | sync (sum read back per step); prep = client record+send (inline: serialization);")
+        say("## ratio = p50 / empty p50 (--rounds R > 1: the median of the rounds' ratios, with their range and")
+        say("## the ratio of the pooled p50s); bytes = request on the wire; read = deferred (sum enqueued, all")
+        say("## checked after the loop) | resolve (nothing read) | sync (sum read back per step); prep = client")
+        say("## record+send (inline: serialization);")
         say("## server = handler (resolve + read); gpu = read kernel (read=sync only)")
         say(f"{'payload':9s} {'B':>3s} {'kind':9s} {'style':7s} {'read':9s} {'MiB':>8s} {'p50':>9s} {'p99':>9s} "
             f"{'ratio':>7s} {'empty':>7s} {'req bytes':>10s} {'prep':>8s} {'server':>8s} {'gpu':>7s}")

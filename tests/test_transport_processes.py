@@ -213,8 +213,8 @@ def test_resolve_only_probes_hand_off_without_reading(link):
     bad = tensor_pb2.TensorRef()
     bad.CopyFrom(request.input)
     bad.shape[:] = [1 << 40]
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "in shape [1099511627776]", link.stub.Probe, transport_pb2.ProbeRequest(input=bad),
-            metadata=md, timeout=10)
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "in shape [1099511627776]", link.stub.Probe,
+            transport_pb2.ProbeRequest(input=bad), metadata=md, timeout=10)
     _expect(grpc.StatusCode.INVALID_ARGUMENT, "must be one of sync, deferred, resolve", link.stub.Probe,
             transport_pb2.ProbeRequest(), metadata=link.metadata + (("ddtree-probe-read", "later"),), timeout=10)
 

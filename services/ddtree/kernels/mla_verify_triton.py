@@ -266,8 +266,9 @@ def launch_config(rows_per_request: int, batch: int, max_kv_len: int, device: to
     fastest. Splits of BLOCK_M 16 that stream at least WIDE_MIN_TILES 32-key tiles run the
     WIDE_TILE launch (64-key tiles, 2 stages), and a request that would split beyond the SM count
     splits once per SM; wide_tiles=False keeps the earlier 32-key launch (5 stages from
-    PIPELINED_MIN_TILES tiles per split), for side-by-side runs. merge="fused" or "separate" forces the merge kind (when splits > 1).
-    max_kv_len is a host-side bound (block-table width x page size): no device sync.
+    PIPELINED_MIN_TILES tiles per split), for side-by-side runs. merge="fused" or "separate"
+    forces the merge kind (when splits > 1). max_kv_len is a host-side bound (block-table width
+    x page size): no device sync.
 
     Rows > 64 (the compute-bound trees) keep the earlier rule, unchanged and measured: about
     SPLIT_WAVES programs per SM, >= MIN_SPLIT_TILES tiles per split, 3 stages, merged by the
