@@ -3,7 +3,7 @@
 # on any box), then the cuda_ipc hand-off benchmark (unary vs bidi stream, read=deferred|sync) with
 # the native per-step calls, then the same benchmark through torch (DDTREE_TRANSPORT_NATIVE=0) as
 # the A/B. About 2 minutes. TRANSPORT_TEST_ARGS (default "-m cuda"; "" = every transport test),
-# TRANSPORT_BENCH_ARGS (default "--kinds cuda_ipc"; e.g. "--kinds cuda_ipc,shm,inline" for all),
+# TRANSPORT_BENCH_ARGS (default "--kinds cuda_ipc --rounds 5"; e.g. "--kinds cuda_ipc,shm,inline" for all),
 # TRANSPORT_BENCH_TIMEOUT and TRANSPORT_AB=0 (skip the torch run) trim or widen a call.
 # Writes $RESULTS/transport/{pytest.txt,transport.txt,transport.json,transport_torch.txt,transport_torch.json}.
 set -u
@@ -14,7 +14,7 @@ timeout 60 python3 -m pytest -q -rs ${TRANSPORT_TEST_ARGS--m cuda} tests/test_tr
 rc_tests=$?
 tail -8 "$out/pytest.txt"
 echo "transport tests: exit $rc_tests after $((SECONDS - t)) s"
-bench_args=${TRANSPORT_BENCH_ARGS---kinds cuda_ipc}
+bench_args=${TRANSPORT_BENCH_ARGS---kinds cuda_ipc --rounds 5}
 t=$SECONDS
 timeout ${TRANSPORT_BENCH_TIMEOUT:-75} python3 benchmarks/bench_transport.py --device cuda:0 --out "$out/transport.txt" $bench_args
 rc_bench=$?
