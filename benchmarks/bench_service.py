@@ -24,7 +24,6 @@ Every file starts with the command, the git commit and the device that produced 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import multiprocessing
 import os
 import random
@@ -183,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     config = LoadTestConfig(
         concurrency=tuple(int(c) for c in args.concurrency.split(",")), modes=tuple(args.modes.split(",")),
-        num_requests=args.num_requests, options=GenerateOptions(max_tokens=args.max_tokens, ignore_eos=True),
+        num_requests=args.num_requests, min_requests=args.min_requests,
+        options=GenerateOptions(max_tokens=args.max_tokens, ignore_eos=True),
         prompts=tuple(load_prompts(args.prompts)) if args.prompts else BUILTIN_PROMPTS, warmup=args.warmup)
     trace_file = out / "service_trace.jsonl"
     trace_file.unlink(missing_ok=True)
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         if set(stacks) != set(tracing):
             raise SystemExit(f"a stack did not start (started: {sorted(stacks)})")
         runs, server = measure(config, {name: address for name, (_, address) in stacks.items()}, args.repeats,
-                               unsampled_arm=not args.control, min_requests=args.min_requests,
+                               unsampled_arm=not args.control,
                                traced_modes=tuple(args.traced_modes.split(",")) if args.traced_modes else config.modes)
     finally:
         for proc, _ in stacks.values():
@@ -268,7 +268,7 @@ class _UnsampledParent(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientI
 
 
 def measure(config: LoadTestConfig, addresses: dict[str, str], repeats: int, *, unsampled_arm: bool,
-            min_requests: int = 8, traced_modes: tuple[str, ...] = ()):
+            traced_modes: tuple[str, ...] = ()):
     """Every mode x level on every arm (off, [unsampled,] on; only off for modes not in
     traced_modes), `repeats` times, the arm order reversed every repeat. Returns
     {arm: [[LevelResult per repeat] per level]} (levels in order; an arm's list skips the levels
@@ -286,13 +286,11 @@ def measure(config: LoadTestConfig, addresses: dict[str, str], repeats: int, *, 
         runs: dict[str, list] = {arm: [] for arm in arms}
         for mode in config.modes:
             for conc in config.concurrency:
-                level = config if config.num_requests else dataclasses.replace(
-                    config, num_requests=max(min_requests, 4 * conc))
                 level_arms = arms if mode in traced_modes else ["off"]
                 level_runs: dict[str, list] = {arm: [] for arm in level_arms}
                 for rep in range(repeats):
                     for arm in (level_arms if rep % 2 == 0 else level_arms[::-1]):
-                        result, _ = run_level(stubs[arm], level, mode, conc, seed=rep)
+                        result, _ = run_level(stubs[arm], config, mode, conc, seed=rep)
                         level_runs[arm].append(result)
                 for arm in level_arms:
                     runs[arm].append(level_runs[arm])

@@ -43,7 +43,8 @@ class LoadTestConfig:
     concurrency: tuple[int, ...] = (1, 4, 10, 32)
     modes: tuple[str, ...] = ("ddtree",)
     rate: float | None = None                 # requests/s (Poisson); None: closed loop
-    num_requests: int | None = None           # per level; None: max(8, 4 x concurrency)
+    num_requests: int | None = None           # per level; None: max(min_requests, 4 x concurrency)
+    min_requests: int = 8                     # fewest requests of a level when num_requests is None
     options: GenerateOptions = GenerateOptions()
     prompts: tuple[Prompt, ...] = BUILTIN_PROMPTS
     warmup: int = 0                           # requests sent one by one before the sweep, not counted
@@ -58,6 +59,8 @@ class LoadTestConfig:
             raise ValueError(f"rate must be a positive number of requests per second, got {self.rate}")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.min_requests < 1:
+            raise ValueError(f"min_requests must be >= 1, got {self.min_requests}")
         if not self.prompts:
             raise ValueError("the prompt set is empty")
         if not self.tag or any(ch.isspace() for ch in self.tag):
@@ -66,7 +69,7 @@ class LoadTestConfig:
             GenerateOptions(mode=mode)        # validates the name
 
     def requests_for(self, concurrency: int) -> int:
-        return self.num_requests or max(8, 4 * concurrency)
+        return self.num_requests or max(self.min_requests, 4 * concurrency)
 
 
 @dataclass(frozen=True)
