@@ -230,19 +230,6 @@ class ChildProcessSpanProcessor(SpanProcessor):
 
 
 # ---- the child ----------------------------------------------------------------------------------
-def _exporters(otlp: bool, trace_file: str | None) -> list:
-    exporters = []
-    if otlp:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        exporters.append(OTLPSpanExporter())   # endpoint, headers, insecure, timeout from OTEL_*
-    if trace_file:
-        from ddtree.telemetry.file_exporter import OtlpJsonFileExporter
-
-        exporters.append(OtlpJsonFileExporter(trace_file))
-    return exporters
-
-
 def _export(exporters: Sequence, spans: list) -> None:
     for start in range(0, len(spans), EXPORT_BATCH):
         chunk = spans[start:start + EXPORT_BATCH]
@@ -262,7 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s span-export: %(message)s")
-    exporters = _exporters(args.otlp, args.trace_file)
+    from ddtree.telemetry.setup import span_exporters
+
+    exporters = span_exporters(otlp=args.otlp, trace_file=args.trace_file)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     resource, scopes = Resource.get_empty(), {}
     try:

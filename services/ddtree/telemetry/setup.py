@@ -35,6 +35,19 @@ def export_mode(default: str = EXPORT_PROCESS) -> str:
     return raw
 
 
+def span_exporters(*, otlp: bool, trace_file: str | None) -> list:
+    """The exporters of either export mode: OTLP/gRPC (endpoint, headers, insecure and timeout
+    read from OTEL_* by the exporter itself) and/or OTLP-JSON lines appended to `trace_file`."""
+    exporters = []
+    if otlp:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        exporters.append(OTLPSpanExporter())
+    if trace_file:
+        exporters.append(OtlpJsonFileExporter(trace_file))
+    return exporters
+
+
 def setup_tracing(service_name: str, *, set_global: bool = True, export: str | None = None,
                   **resource_attrs: str) -> TracerProvider:
     """Builds the provider for one service and (by default) installs it as the global one.
@@ -52,24 +65,18 @@ def setup_tracing(service_name: str, *, set_global: bool = True, export: str | N
     )
     trace_file = os.environ.get("DDTREE_TRACE_FILE")
     mode = export or export_mode()
-    if (endpoint or trace_file) and mode == EXPORT_PROCESS:
+    where = ", ".join(filter(None, [endpoint and f"OTLP/gRPC to {endpoint}",
+                                    trace_file and f"OTLP-JSON lines to {trace_file}"]))
+    if where and mode == EXPORT_PROCESS:
         from ddtree.telemetry.export_process import ChildProcessSpanProcessor
 
         processor = ChildProcessSpanProcessor(resource, otlp=bool(endpoint), trace_file=trace_file)
         provider.add_span_processor(processor)
-        log.info("tracing: export process %d: %s", processor.pid,
-                 ", ".join(filter(None, [endpoint and f"OTLP/gRPC to {endpoint}",
-                                         trace_file and f"OTLP-JSON lines to {trace_file}"])))
-    elif endpoint or trace_file:
-        if endpoint:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-            # The exporter reads endpoint, headers, insecure, timeout from OTEL_* itself.
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-            log.info("tracing: OTLP/gRPC export to %s", endpoint)
-        if trace_file:
-            provider.add_span_processor(BatchSpanProcessor(OtlpJsonFileExporter(trace_file)))
-            log.info("tracing: OTLP-JSON lines to %s", trace_file)
+        log.info("tracing: export process %d: %s", processor.pid, where)
+    elif where:
+        for exporter in span_exporters(otlp=bool(endpoint), trace_file=trace_file):
+            provider.add_span_processor(BatchSpanProcessor(exporter))
+        log.info("tracing: %s", where)
     if set_global:
         trace.set_tracer_provider(provider)
     return provider
