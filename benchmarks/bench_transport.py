@@ -297,7 +297,7 @@ def main() -> int:
                      ("stream", "sync"): streams["sync"].call, ("stream", "deferred"): streams["deferred"].call,
                      ("stream", "resolve"): streams["resolve"].call}
             rounds = max(1, args.rounds) if kind == "cuda_ipc" else 1
-            cells: dict = {}   # key -> (per-round results, MiB, request bytes, total steps)
+            cells: dict = {}   # key -> (per-round results, MiB, request bytes)
             for rnd in range(rounds):
                 for name, b, dtype, shape in payloads(batches):
                     numel = torch.Size(shape).numel()
@@ -337,15 +337,14 @@ def main() -> int:
                                             call_empty=plain if style == "unary" else None)
                             else:
                                 r = measure(calls[style, read], make, iters, warmup, expect)
-                            cell = cells.setdefault((name, b, kind, style, read),
-                                                    ([], nbytes / 2**20, make(0).ByteSize(), 0))
-                            cell[0].append(r)
-                            cells[name, b, kind, style, read] = (cell[0], cell[1], cell[2], cell[3] + iters)
-            for key, (per_round, mib, size, steps) in cells.items():
+                            key = (name, b, kind, style, read)
+                            if key not in cells:
+                                cells[key] = ([], nbytes / 2**20, make(0).ByteSize())
+                            cells[key][0].append(r)
+            for key, (per_round, mib, size) in cells.items():
                 name, b, _, style, read = key
                 r = combine_rounds(per_round)
-                r.pop("samples")
-                r["request_bytes"], r["iters"] = size, steps
+                r["request_bytes"], r["iters"] = size, len(r.pop("samples")["total"])
                 results[key] = r
                 gpu_col = f"{r['gpu_ms']:7.3f}" if read == "sync" else f"{'-':>7s}"
                 spread = (f"  rounds {min(r['round_ratios']):.2f}-{max(r['round_ratios']):.2f} "
