@@ -320,6 +320,17 @@ def run_sweep(args) -> list[str]:
     return lines
 
 
+def shipped_kernel(inputs) -> tuple:
+    """(kernel, name) that the model's dispatcher runs for these inputs: wgmma or triton."""
+    from ddtree.kernels import mla_verify_attention_triton
+    from ddtree.kernels.dispatch import wgmma_verify_wanted
+    q_latent, q_rope, mask = inputs[0], inputs[1], inputs[5]
+    if wgmma_verify_wanted(q_latent, q_rope, mask.shape[1] * q_latent.shape[1]):
+        from ddtree.kernels.mla_verify_wgmma import mla_verify_attention_wgmma
+        return mla_verify_attention_wgmma, "wgmma"
+    return mla_verify_attention_triton, "triton"
+
+
 def run_grid(args) -> list[dict]:
     from ddtree.kernels import mla_verify_attention_triton
     from ddtree.models.mla_attention import mla_verify_attention_reference
@@ -338,9 +349,11 @@ def run_grid(args) -> list[dict]:
         scale = (C + R) ** -0.5
         flops, nbytes = counts(batch, nodes, heads, prefix)
         row = dict(batch=batch, nodes=nodes, heads=heads, prefix=prefix, flops=flops, bytes=nbytes)
-        row["us"] = timed(lambda: mla_verify_attention_triton(*inputs, scale))
-        row["nomask_us"] = (timed(lambda: mla_verify_attention_triton(*inputs, scale, tail_mask=False))
-                            if nodes > 1 else float("nan"))
+        kernel, row["kernel"] = shipped_kernel(inputs)
+        row["us"] = timed(lambda: kernel(*inputs, scale))
+        row["nomask_us"] = (timed(lambda: kernel(*inputs, scale, tail_mask=False)) if nodes > 1 else float("nan"))
+        row["triton_us"] = (timed(lambda: mla_verify_attention_triton(*inputs, scale))
+                            if row["kernel"] != "triton" else row["us"])
         mm_us, mm_flops = matmul_us(flops)
         row["mm_tflops"] = mm_flops / mm_us / 1e6
         row["copy_gbs"] = nbytes / copy_us(nbytes) / 1e3
@@ -353,7 +366,7 @@ def run_grid(args) -> list[dict]:
 
 
 HEADER = ("verify_attn  batch nodes  h  prefix      us   TFLOP/s  %mm   GB/s  %copy  mask%   ref_us  xref"
-          "   mm_TFLOP/s copy_GB/s")
+          "   mm_TFLOP/s copy_GB/s kernel  triton_us  xtriton")
 
 
 def format_row(r: dict) -> str:
@@ -363,7 +376,8 @@ def format_row(r: dict) -> str:
     xref = r["ref_us"] / r["us"] if r["ref_us"] == r["ref_us"] else float("nan")
     return (f"verify_attn {r['batch']:6d} {r['nodes']:5d} {r['heads']:2d} {r['prefix']:7d} {r['us']:8.1f}"
             f" {tflops:8.1f} {100 * tflops / r['mm_tflops']:4.0f} {gbs:6.0f} {100 * gbs / r['copy_gbs']:5.0f}"
-            f" {mask:6.1f} {r['ref_us']:8.0f} {xref:5.1f} {r['mm_tflops']:10.1f} {r['copy_gbs']:9.0f}")
+            f" {mask:6.1f} {r['ref_us']:8.0f} {xref:5.1f} {r['mm_tflops']:10.1f} {r['copy_gbs']:9.0f}"
+            f" {r['kernel']:>6} {r['triton_us']:10.1f} {r['triton_us'] / r['us']:8.2f}")
 
 
 def run_variants(args) -> None:
@@ -475,13 +489,15 @@ def main(argv: list[str] | None = None) -> int:
         table = "\n".join(format_row(r) for r in sorted(rows, key=lambda r: (r["heads"], r["nodes"], r["batch"], r["prefix"])))
         props = torch.cuda.get_device_properties(0)
         import triton
-        text = (f"\nTree-verify MLA attention (Triton), bf16, latent 512 + rope 64, page {PAGE}; median device time (CUDA events)\n"
+        text = (f"\nTree-verify MLA attention (the dispatcher's kernel: wgmma or triton), bf16, latent 512 + rope 64, page {PAGE}; median device time (CUDA events)\n"
                 f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}\n"
                 f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
                 f"command: python benchmarks/bench_verify_attn.py {' '.join(argv if argv is not None else sys.argv[1:])}\n"
                 "%mm: kernel TFLOP/s over a bf16 cuBLAS matmul of the same FLOPs; %copy: kernel GB/s over a\n"
                 "device copy of the same bytes; mask%: time over the same kernel with the tail mask off;\n"
-                "xref: torch reference time over kernel time (nan: reference skipped, > 4 GB)\n"
+                "xref: torch reference time over kernel time (nan: reference skipped, > 4 GB);\n"
+                "kernel: what the model's dispatcher runs (wgmma: >= 64 rows per request on sm_90);\n"
+                "triton_us: the Triton kernel on the same inputs, same run; xtriton = triton_us / us\n"
                 f"{HEADER}\n{table}\n")
         print(text)
         append(text)

@@ -26,8 +26,8 @@ triton = pytest.importorskip("triton")
 from ddtree.kernels import check_verify_values, mla_verify_attention_triton  # noqa: E402
 from ddtree.models.mla_attention import (  # noqa: E402
     causal_bitmask, mla_verify_attention, mla_verify_attention_reference, pack_bitmask)
-from ddtree.tree import build_trees  # noqa: E402
-from ddtree.tree.samples import random_topk  # noqa: E402
+import verify_attn_inputs  # noqa: E402
+from verify_attn_inputs import tree_mask  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float16
@@ -61,49 +61,14 @@ def _interpreter_index_fix(request):
     interp._patch_lang_tensor = original
 
 
-def tree_mask(batch: int, nodes: int, gen: torch.Generator) -> torch.Tensor:
-    """Ancestor bitmasks of real draft trees [B, nodes + 1, words] (uint64)."""
-    lp, ids = random_topk(batch, 8, min(nodes, 8) if nodes else 1, generator=gen)
-    return build_trees(lp, ids, nodes, backend="reference").mask
-
-
 def make_inputs(prefixes: list[int], tail: int, heads: int, page_size: int, mask: torch.Tensor,
                 gen: torch.Generator):
-    """Random queries and a random paged cache; pages scattered, tables padded with extra pages."""
-    b = len(prefixes)
-    need = [-(-(p + tail) // page_size) for p in prefixes]
-    width = max(need) + 1
-    num_pages = sum(need) + 3
-    perm = torch.randperm(num_pages, generator=gen)
-    table = torch.zeros(b, width, dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(need):
-        table[i, :n] = perm[start:start + n].int()
-        table[i, n:] = perm[-1]  # padding pages: allocated, never visible
-        start += n
-    cache = torch.randn(num_pages, page_size, C + R, generator=gen)
-    q_latent = torch.randn(b * tail, heads, C, generator=gen)
-    q_rope = torch.randn(b * tail, heads, R, generator=gen)
-    dev = lambda x, dt=DTYPE: x.to(DEVICE, dt)  # noqa: E731
-    return (dev(q_latent), dev(q_rope), dev(cache), table.to(DEVICE),
-            torch.tensor(prefixes, dtype=torch.int64, device=DEVICE), mask.to(DEVICE))
+    return verify_attn_inputs.make_inputs(prefixes, tail, heads, page_size, mask, gen, c=C, r=R, device=DEVICE,
+                                          dtype=DTYPE)
 
 
 def check_against_reference(inputs, scale: float, config=None) -> None:
-    q_latent, q_rope, cache, table, prefix, mask = inputs
-    out = torch.full_like(q_latent, float("nan"))  # poisoned: every element must be written
-    lse = torch.full(q_latent.shape[:2], float("nan"), device=DEVICE)
-    got, got_lse = mla_verify_attention_triton(q_latent, q_rope, cache, table, prefix, mask, scale,
-                                               config=config, out=out, lse=lse, check_values=True)
-    assert got.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
-    want, want_lse = mla_verify_attention_reference(q_latent.double(), q_rope.double(), cache.double(),
-                                                    table, prefix, mask, scale)
-    assert not got.isnan().any() and not got_lse.isnan().any()
-    err = (got.double() - want).norm() / want.norm().clamp_min(1e-30)
-    assert err <= 1e-2, f"relative error {err:.2e}"
-    finite = want_lse.isfinite()
-    assert torch.equal(got_lse.isfinite(), finite)
-    assert (got_lse[finite].double() - want_lse[finite].double()).abs().max() <= 2e-2
+    verify_attn_inputs.check_against_reference(mla_verify_attention_triton, inputs, scale, config=config)
 
 
 # (tail rows per request, heads, prefixes (ragged batch), page size, mask kind)

@@ -1,4 +1,6 @@
-"""Which verify-attention implementation runs: the Triton kernel where it applies, else torch."""
+"""Which verify-attention implementation runs: the Hopper wgmma kernel for >= 64 rows per request
+on sm_90, the Triton kernel where it applies, else torch. DDTREE_VERIFY_ATTN=torch forces the
+reference, =triton the Triton kernel (A/B comparisons, debugging)."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +19,7 @@ def _triton_available() -> bool:
 
 def triton_verify_supported(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor) -> bool:
     """True for CUDA bf16/fp16 inputs with power-of-two latent/rope dims, unless
-    DDTREE_VERIFY_ATTN=torch asks for the reference (A/B comparisons, debugging)."""
+    DDTREE_VERIFY_ATTN=torch asks for the reference."""
     return (os.environ.get("DDTREE_VERIFY_ATTN", "auto") != "torch"
             and q_latent.is_cuda
             and q_latent.dtype in (torch.bfloat16, torch.float16)
@@ -25,3 +27,12 @@ def triton_verify_supported(q_latent: torch.Tensor, q_rope: torch.Tensor, cache:
             and kernel_dims_supported(q_latent.shape[-1], q_rope.shape[-1])
             and cache.shape[-1] == q_latent.shape[-1] + q_rope.shape[-1]
             and _triton_available())
+
+
+def wgmma_verify_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, rows_per_request: int) -> bool:
+    """For inputs the Triton kernel takes: True where the wgmma kernel serves them (sm_90, C 512,
+    R 64, >= 64 rows per request) and DDTREE_VERIFY_ATTN is not `triton`."""
+    if os.environ.get("DDTREE_VERIFY_ATTN", "auto") == "triton" or rows_per_request < 64:
+        return False
+    from .mla_verify_wgmma import wgmma_verify_supported
+    return wgmma_verify_supported(q_latent, q_rope, rows_per_request)

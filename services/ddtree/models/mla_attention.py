@@ -55,10 +55,15 @@ def gather_cache_rows(cache: torch.Tensor, block_table: torch.Tensor, length: in
 def mla_verify_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                          block_table: torch.Tensor, prefix_lens: torch.Tensor, mask: torch.Tensor,
                          softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatcher with the reference's contract (below): the Triton kernel where it applies."""
+    """Dispatcher with the reference's contract (below): the wgmma or Triton kernel where one applies
+    (kernels.dispatch)."""
     if q_latent.is_cuda:
-        from ..kernels.dispatch import triton_verify_supported
+        from ..kernels.dispatch import triton_verify_supported, wgmma_verify_wanted
         if triton_verify_supported(q_latent, q_rope, cache):
+            if wgmma_verify_wanted(q_latent, q_rope, mask.shape[1] * q_latent.shape[1]):  # rows per request
+                from ..kernels.mla_verify_wgmma import mla_verify_attention_wgmma
+                return mla_verify_attention_wgmma(q_latent, q_rope, cache, block_table, prefix_lens, mask,
+                                                  softmax_scale)
             from ..kernels.mla_verify_triton import mla_verify_attention_triton
             return mla_verify_attention_triton(q_latent, q_rope, cache, block_table, prefix_lens, mask,
                                                softmax_scale)

@@ -1,0 +1,99 @@
+"""The Hopper (Gluon, wgmma) verify-attention kernel against the float64 torch reference.
+
+On an sm_90 GPU: the issue grid's cases with >= 64 rows per request (the shapes it serves), split
+counts, a row that sees nothing and the dispatcher's choice. Anywhere: the kernel compiles for
+sm_90a offline within the shared-memory limit, and the split rule.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from ddtree.models.mla_attention import causal_bitmask  # noqa: E402
+from verify_attn_inputs import check_against_reference, make_inputs, tree_mask  # noqa: E402
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+C, R = 512, 64
+gpu = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+
+
+def kernel():
+    from ddtree.kernels.mla_verify_wgmma import mla_verify_attention_wgmma
+    return mla_verify_attention_wgmma
+
+
+def inputs_for(prefixes, tail, heads, page_size, kind, seed):
+    gen = torch.Generator().manual_seed(seed)
+    b = len(prefixes)
+    mask = tree_mask(b, tail - 1, gen) if kind == "tree" else causal_bitmask(tail).expand(b, -1, -1).contiguous()
+    return make_inputs(prefixes, tail, heads, page_size, mask, gen, c=C, r=R, device="cuda", dtype=torch.bfloat16)
+
+
+# The issue grid's cases with >= 64 rows per request: trees of 64 and 256 tokens, chains of 8 at h 8 and 16.
+CASES = [(t, h, [p, p // 3 + 1, max(p - 17, 0)], ps, kind)
+         for t, kind in ((8, "chain"), (64, "tree"), (256, "tree"))
+         for h in (8, 16) for p in (0, 1, 63, 64, 1000, 8191) for ps in (16, 64)]
+
+
+@gpu
+@pytest.mark.parametrize("tail,heads,prefixes,page_size,kind", CASES)
+def test_matches_float64_reference(tail, heads, prefixes, page_size, kind):
+    inputs = inputs_for(prefixes, tail, heads, page_size, kind, hash((tail, heads, tuple(prefixes), page_size)) % 2**31)
+    check_against_reference(kernel(), inputs, scale=(C + R) ** -0.5)
+
+
+@gpu
+@pytest.mark.parametrize("splits", [1, 2, 3, 8, 40])
+def test_split_counts_agree_with_reference(splits):
+    """Splits beyond the tiles a request has (empty splits), a partial last row block (65 rows)."""
+    inputs = inputs_for([1000, 3, 130], 13, 5, 16, "tree", 7)
+    check_against_reference(kernel(), inputs, scale=0.3, splits=splits)
+
+
+@gpu
+def test_row_that_sees_nothing_gives_zero_and_minus_inf():
+    inputs = list(inputs_for([0, 70], 8, 16, 16, "chain", 3))
+    inputs[5] = inputs[5].clone()
+    inputs[5][0, 2] = 0  # request 0 (no prefix), tail row 2: sees no key at all
+    for splits in (1, 3):
+        out, lse = kernel()(*inputs, 0.2, splits=splits)
+        assert torch.equal(out[2], torch.zeros_like(out[2])) and bool((lse[2] == float("-inf")).all())
+        assert out[3:].isfinite().all() and lse[3:].isfinite().all()
+
+
+@gpu
+def test_dispatcher_uses_wgmma_for_64_rows_and_triton_below(monkeypatch):
+    import ddtree.kernels.mla_verify_triton as triton_module
+    import ddtree.kernels.mla_verify_wgmma as wgmma_module
+    from ddtree.models.mla_attention import mla_verify_attention
+    calls = []
+    for module, name in ((wgmma_module, "mla_verify_attention_wgmma"), (triton_module, "mla_verify_attention_triton")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
+    mla_verify_attention(*inputs_for([100, 5], 8, 8, 16, "chain", 1), 0.1)   # 64 rows per request
+    mla_verify_attention(*inputs_for([100, 5], 4, 8, 16, "chain", 1), 0.1)   # 32
+    assert calls == ["mla_verify_attention_wgmma", "mla_verify_attention_triton"]
+    monkeypatch.setenv("DDTREE_VERIFY_ATTN", "triton")
+    mla_verify_attention(*inputs_for([100, 5], 8, 8, 16, "chain", 1), 0.1)
+    assert calls[-1] == "mla_verify_attention_triton"
+
+
+def test_compiles_for_sm90_within_shared_memory():
+    """Offline compile (no GPU needed): the buffers fit the 227 KB an sm_90 block may use, and
+    every product is a wgmma (36 score and 4 value instructions per tile)."""
+    from ddtree.kernels.mla_verify_wgmma import compile_for_sm90
+    for partial in (False, True):
+        compiled = compile_for_sm90(partial)
+        assert compiled.metadata.shared <= 227 * 1024
+        assert compiled.asm["ptx"].count("wgmma.mma_async") == 40
+
+
+def test_split_rule_fills_the_sms_once():
+    from ddtree.kernels.mla_verify_wgmma import wgmma_splits
+    assert wgmma_splits(1024, 16, 8192, 132) == 1             # 256 row blocks: no split
+    assert wgmma_splits(1024, 1, 8192, 132) == 8              # 16 row blocks x 8 splits <= 132
+    assert wgmma_splits(64, 64, 8192, 132) == 2
+    assert wgmma_splits(64, 1, 100, 132) == 1                 # 2 tiles: no split
+    assert wgmma_splits(64, 1, 32768, 132) == 132
