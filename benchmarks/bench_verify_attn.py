@@ -195,17 +195,17 @@ def cfg_str(cfg: tuple) -> str:
     return f"{bm}/{bn}/{warps}w/{stages}s/x{splits}/{merge[:3]}"  # fus, sep, pdl, non
 
 
-DECODE_SHAPES = [(b, n, h, p) for n, h in ((1, 16), (1, 8), (4, 16)) for b in (1, 16, 64)
-                 for p in (8192, 32768, 1024)]
-DECODE_HEADER = ("verify_decode batch nodes  h  prefix | new config             eager_us graph_us %copy_e %copy_g"
-                 " | old config             eager_us graph_us %copy_e %copy_g | new/old_graph copy_GB/s_e copy_GB/s_g  checks")
+DECODE_SHAPES = [(b, n, h, p) for n, h in ((4, 16), (1, 16), (1, 8)) for b in (1, 16, 64)
+                 for p in (8192, 32768, 1024)]  # 64-row requests (4 nodes x h 16) first: wgmma against Triton
+DECODE_HEADER = ("verify_decode batch nodes  h  prefix | dispatcher's kernel    eager_us graph_us %copy_e %copy_g"
+                 " | triton default         eager_us graph_us %copy_e %copy_g | new/old_graph copy_GB/s_e copy_GB/s_g  checks")
 
 
 def decode_row(work, gen, batch: int, nodes: int, heads: int, prefix: int) -> str:
-    """One decode shape: the launch config ("new") and the same rule without the wide 64-key
-    decode tile ("old": launch_config(..., wide_tiles=False), the launch of 2026-11-29), eager and
-    graph timing; `diff`: max |new - old| over max |old|; `same`: the new config's output is
-    bitwise the same after all the graph replays (the fused merge's counters stayed in step)."""
+    """One decode shape: the kernel the model's dispatcher runs ("new": wgmma for >= 64 rows per
+    request on sm_90, else the Triton kernel's launch_config) against the Triton kernel's default
+    launch ("old"; the same call for rows < 64), eager and graph timing; `diff`: max |new - old| over
+    max |old|; `same`: the new output is bitwise the same after all the graph replays."""
     from ddtree.kernels import launch_config, mla_verify_attention_triton
     inputs = work.case(batch, nodes, heads, prefix, gen)
     kv_bound = inputs[3].shape[1] * PAGE
@@ -213,17 +213,23 @@ def decode_row(work, gen, batch: int, nodes: int, heads: int, prefix: int) -> st
     src, dst = copy_pair(nbytes)
     copy_e = nbytes / timed(lambda: dst.copy_(src)) / 1e3
     copy_g = nbytes / graph_us(lambda: dst.copy_(src)) / 1e3
-    configs = (launch_config(nodes * heads, batch, kv_bound, torch.device("cuda")),
-               launch_config(nodes * heads, batch, kv_bound, torch.device("cuda"), wide_tiles=False))
-    first = [mla_verify_attention_triton(*inputs, 0.05, config=cfg) for cfg in configs]
+    kernel, name = shipped_kernel(inputs)
+    triton_cfg = launch_config(nodes * heads, batch, kv_bound, torch.device("cuda"))
+    if name == "wgmma":
+        from ddtree.kernels.mla_verify_wgmma import wgmma_splits
+        labels = (f"wgmma/x{wgmma_splits(nodes * heads, batch, kv_bound, torch.cuda.get_device_properties(0).multi_processor_count)}",
+                  cfg_str(triton_cfg))
+    else:
+        labels = (cfg_str(triton_cfg), cfg_str(triton_cfg))
+    calls = (lambda: kernel(*inputs, 0.05), lambda: mla_verify_attention_triton(*inputs, 0.05))
+    first = [call() for call in calls]
     cells, graph_times = [], []
-    for cfg in configs:
-        call = lambda: mla_verify_attention_triton(*inputs, 0.05, config=cfg)  # noqa: E731
+    for label, call in zip(labels, calls):
         eager, graph = timed(call), graph_us(call)
         graph_times.append(graph)
         gbs_e, gbs_g = nbytes / eager / 1e3, nbytes / graph / 1e3
-        cells.append(f"{cfg_str(cfg):22s} {eager:8.1f} {graph:8.1f} {100 * gbs_e / copy_e:7.0f} {100 * gbs_g / copy_g:7.0f}")
-    again = mla_verify_attention_triton(*inputs, 0.05, config=configs[0])
+        cells.append(f"{label:22s} {eager:8.1f} {graph:8.1f} {100 * gbs_e / copy_e:7.0f} {100 * gbs_g / copy_g:7.0f}")
+    again = calls[0]()
     diff = ((first[0][0].float() - first[1][0].float()).abs().max() / first[1][0].float().abs().max()).item()
     same = torch.equal(again[0], first[0][0]) and torch.equal(again[1], first[0][1])
     return (f"verify_decode {batch:5d} {nodes:5d} {heads:2d} {prefix:7d} | {cells[0]} | {cells[1]} | "
@@ -231,7 +237,7 @@ def decode_row(work, gen, batch: int, nodes: int, heads: int, prefix: int) -> st
 
 
 def run_decode(args) -> list[str]:
-    """Decode shapes: new vs old (no wide tile) launch config, eager and graph-replay timing, % of copy bandwidth."""
+    """Decode shapes: the dispatcher's kernel vs the Triton kernel, eager and graph-replay timing, % of copy bandwidth."""
     work = Workload(64, 32768, 4)
     gen = torch.Generator().manual_seed(2)
     lines, deadline = [emit(args, DECODE_HEADER)], time.monotonic() + args.seconds
@@ -324,8 +330,8 @@ def shipped_kernel(inputs) -> tuple:
     """(kernel, name) that the model's dispatcher runs for these inputs: wgmma or triton."""
     from ddtree.kernels import mla_verify_attention_triton
     from ddtree.kernels.dispatch import wgmma_verify_wanted
-    q_latent, q_rope, mask = inputs[0], inputs[1], inputs[5]
-    if wgmma_verify_wanted(q_latent, q_rope, mask.shape[1] * q_latent.shape[1]):
+    q_latent, q_rope, cache, mask = inputs[0], inputs[1], inputs[2], inputs[5]
+    if wgmma_verify_wanted(q_latent, q_rope, cache, mask.shape[1] * q_latent.shape[1]):
         from ddtree.kernels.mla_verify_wgmma import mla_verify_attention_wgmma
         return mla_verify_attention_wgmma, "wgmma"
     return mla_verify_attention_triton, "triton"

@@ -64,6 +64,29 @@ def test_row_that_sees_nothing_gives_zero_and_minus_inf():
 
 
 @gpu
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+def test_rows_past_the_sequence_never_leak(page_size):
+    """TMA copies whole boxes: the last tile's rows past a request's keys (and any page its table
+    points at beyond them) come from stale cache rows. Every cache row that is not a visible key
+    is NaN here; the output must still match the reference computed on a clean cache."""
+    from ddtree.models.mla_attention import mla_verify_attention_reference
+    prefixes, tail, heads = [1000, 3, 130], 13, 5
+    q_latent, q_rope, cache, table, prefix, mask = inputs_for(prefixes, tail, heads, page_size, "tree", 5)
+    want, want_lse = mla_verify_attention_reference(q_latent.double(), q_rope.double(), cache.double(), table,
+                                                    prefix, mask, 0.1)
+    keep = torch.zeros(cache.shape[:2], dtype=torch.bool, device=cache.device)
+    for b, p in enumerate(prefixes):
+        pos = torch.arange(p + tail, device=cache.device)
+        keep[table[b, pos // page_size].long(), pos % page_size] = True
+    poisoned = torch.where(keep[..., None], cache, torch.full_like(cache, float("nan")))
+    for splits in (1, 3):
+        got, got_lse = kernel()(q_latent, q_rope, poisoned, table, prefix, mask, 0.1, splits=splits)
+        assert got.isfinite().all() and got_lse.isfinite().all()
+        assert (got.double() - want).norm() / want.norm() <= 1e-2
+        assert (got_lse.double() - want_lse.double()).abs().max() <= 2e-2
+
+
+@gpu
 def test_dispatcher_uses_wgmma_for_64_rows_and_triton_below(monkeypatch):
     import ddtree.kernels.mla_verify_triton as triton_module
     import ddtree.kernels.mla_verify_wgmma as wgmma_module
@@ -74,7 +97,8 @@ def test_dispatcher_uses_wgmma_for_64_rows_and_triton_below(monkeypatch):
         monkeypatch.setattr(module, name, lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
     mla_verify_attention(*inputs_for([100, 5], 8, 8, 16, "chain", 1), 0.1)   # 64 rows per request
     mla_verify_attention(*inputs_for([100, 5], 4, 8, 16, "chain", 1), 0.1)   # 32
-    assert calls == ["mla_verify_attention_wgmma", "mla_verify_attention_triton"]
+    mla_verify_attention(*inputs_for([100, 5], 8, 8, 4, "chain", 1), 0.1)    # page size 4: not for TMA boxes
+    assert calls == ["mla_verify_attention_wgmma", "mla_verify_attention_triton", "mla_verify_attention_triton"]
     monkeypatch.setenv("DDTREE_VERIFY_ATTN", "triton")
     mla_verify_attention(*inputs_for([100, 5], 8, 8, 16, "chain", 1), 0.1)
     assert calls[-1] == "mla_verify_attention_triton"
@@ -82,12 +106,13 @@ def test_dispatcher_uses_wgmma_for_64_rows_and_triton_below(monkeypatch):
 
 def test_compiles_for_sm90_within_shared_memory():
     """Offline compile (no GPU needed): the buffers fit the 227 KB an sm_90 block may use, and
-    every product is a wgmma (36 score and 4 value instructions per tile)."""
+    every product is a wgmma (36 score instructions m64n64k16, 4 + 4 value m64n256k16 per tile)."""
     from ddtree.kernels.mla_verify_wgmma import compile_for_sm90
     for partial in (False, True):
-        compiled = compile_for_sm90(partial)
+        compiled = compile_for_sm90(partial, page_size=16)
         assert compiled.metadata.shared <= 227 * 1024
-        assert compiled.asm["ptx"].count("wgmma.mma_async") == 40
+        assert compiled.asm["ptx"].count("wgmma.mma_async") == 44
+        assert compiled.asm["ptx"].count("cp.async.bulk.tensor") == 2 * 12  # 4 pages x 3 boxes per tile
 
 
 def test_split_rule_fills_the_sms_once():

@@ -29,10 +29,11 @@ def triton_verify_supported(q_latent: torch.Tensor, q_rope: torch.Tensor, cache:
             and _triton_available())
 
 
-def wgmma_verify_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, rows_per_request: int) -> bool:
+def wgmma_verify_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                        rows_per_request: int) -> bool:
     """For inputs the Triton kernel takes: True where the wgmma kernel serves them (sm_90, C 512,
-    R 64, >= 64 rows per request) and DDTREE_VERIFY_ATTN is not `triton`."""
+    R 64, >= 64 rows per request, a TMA-readable cache) and DDTREE_VERIFY_ATTN is not `triton`."""
     if os.environ.get("DDTREE_VERIFY_ATTN", "auto") == "triton" or rows_per_request < 64:
         return False
     from .mla_verify_wgmma import wgmma_verify_supported
-    return wgmma_verify_supported(q_latent, q_rope, rows_per_request)
+    return wgmma_verify_supported(q_latent, q_rope, cache, rows_per_request)

@@ -1,19 +1,24 @@
 """Tree-verify MLA attention for Hopper in Gluon: the compute-bound path (>= 64 rows per request).
 
-The Triton kernel (mla_verify_triton) lays the chained score product of a 64-row block out over
-8 warps as [8, 1], so both warpgroups compute the same 64 x BLOCK_N scores; this kernel places
-the warps explicitly ([4, 2]): each warpgroup computes half of the tile's key columns of the
-scores (wgmma m64n32k16 over C + R) and half of the 512 value columns of the output (m64n256k16),
-so every product runs once. P goes through shared memory, since each warpgroup's half of the
-output needs all the tile's keys. KV tiles [BLOCK_N, C + R] are gathered through the block table
-with cp.async into 128-byte-swizzled shared memory, STAGES tiles in flight; the same buffer is
-the scores' B operand (K-major) and the output's (N-major). Shared memory at BLOCK_N 64 and
-2 stages: Q 72 KB + KV 144 KB + P 8 KB, one program per SM.
+FlashMLA's scheme, warp-specialized: one program owns 64 query rows (tail token x head pairs of
+one request) and runs two warpgroups.
+- The softmax warpgroup computes each tile's scores alone (wgmma m64n64k16 over C + R: no product
+  runs twice; the Triton kernel's 8-warp layout computes them in both warpgroups), masks the
+  tree tail, runs the online softmax with rows local to a warp, writes P and the row scale to
+  shared memory, and accumulates output columns [0, C/2).
+- The value warpgroup issues the KV loads (TMA, one box per page and column block, a tile ahead)
+  and accumulates output columns [C/2, C) from the same P.
+The two meet at mbarriers, so one warpgroup's softmax runs under the other's value product. KV
+tiles [BLOCK_N, C + R] live in 128-byte-swizzled shared memory, STAGES of them; the same buffer
+is the scores' B operand (K-major) and the output's (N-major). Shared memory at BLOCK_N 64 and
+2 stages: Q 72 KB + KV 144 KB + P 8 KB: one program per SM. TMA (not cp.async, which measured
+half the speed: each thread's copies are few bytes in flight) needs the pages packed in one
+matrix (`wgmma_verify_supported`); the last tile's rows past the sequence are zeroed in shared
+memory before use (TMA copies whole pages).
 
 Same contract, masking (prefix tiles unmasked, tail tiles through the ancestor bitmask), split-KV
-partials and merge kernel as the Triton kernel; sm_90 with C = 512, R = 64 only
-(`wgmma_verify_supported`). Gluon kernels have no interpreter: off the GPU they only compile
-(`compile_for_sm90`).
+partials and merge kernel as the Triton kernel; sm_90 with C = 512, R = 64 only. Gluon kernels
+have no interpreter: off the GPU they only compile (`compile_for_sm90`).
 """
 from __future__ import annotations
 
@@ -24,17 +29,19 @@ import triton
 from triton.experimental import gluon
 from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from .mla_verify_triton import _LOG2E, _merge_splits, _num_sms
 from .validate import check_verify_inputs, check_verify_values
 
-BLOCK_M = 64  # rows of one program: one wgmma M tile per warpgroup
-BLOCK_N = 64  # keys per KV tile: each warpgroup's score slab is n32
+BLOCK_M = 64  # rows of one program: one wgmma M tile
+BLOCK_N = 64  # keys per KV tile: the score product is m64n64
 STAGES = 2    # KV tiles in flight (3 do not fit in 227 KB with Q resident)
-WARPS = 8     # two warpgroups
+WARPS = 4     # per warpgroup: the softmax warpgroup (the launch's warps) plus the value warpgroup
+VALUE_REGS = 232  # registers per thread of the value warpgroup (setmaxnreg)
 MIN_SPLIT_TILES = 2  # a split reads at least this many 64-key tiles
+_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)  # wgmma / TMA operands
 _NO_SPECIALIZE = ["T", "H", "W", "max_pages", "num_pages", "num_splits", "stride_ls", "stride_tb", "stride_lr"]
 
 
@@ -46,111 +53,103 @@ def _rows_layout(width, warps):
 
 
 @constexpr_function
-def _mma_layout(n, warps):
-    """[4, 2] warps: warpgroup g owns columns [g n/2, (g+1) n/2), instruction n up to 256."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, warps // 4],
-                                     instr_shape=[16, min(256, n // (warps // 4)), 16])
+def _mma_layout(n):
+    """One warpgroup, the whole [64, n] tile (instruction n up to 256)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, min(256, n), 16])
 
 
 @gluon.jit
-def _issue_kv_tile(Cache, table_row, tile, valid, kv_len, page_size, max_pages, num_pages, stride_cp, stride_cr,
-                   dst, col0: gl.constexpr, WIDTH: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
-    """cp.async of cache columns [col0, col0 + WIDTH) of keys tile*BLOCK_N.. into dst; keys past
-    kv_len (or an invalid tile) are zero-filled and read nothing. Bad table entries are clamped."""
-    pos = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    in_seq = (pos < kv_len) & valid
-    page = gl.load(table_row + gl.minimum(pos // page_size, max_pages - 1), mask=in_seq, other=0)
-    page = gl.minimum(gl.maximum(page, 0), num_pages - 1).to(gl.int64)
-    row_off = page * stride_cp + (pos % page_size) * stride_cr + col0
-    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-    async_copy.async_copy_global_to_shared(dst, Cache + row_off[:, None] + cols[None, :], mask=in_seq[:, None])
+def _load_kv_tile(kv_desc, rope_desc, table_row, tile, valid, page_size, max_pages, num_pages, bar,
+                  lo_dst, hi_dst, rope_dst, C: gl.constexpr, BLOCK_N: gl.constexpr):
+    """TMA copies of KV tile `tile` (keys tile*BLOCK_N..) into the three buffers, completion on `bar`
+    (expect-tx). A tile is BLOCK_N // PAGE_ROWS boxes of PAGE_ROWS = min(page size, BLOCK_N) rows,
+    each from its page; page ids out of the table or the cache are clamped (wrong rows, no fault).
+    Rows past the sequence are copied too (stale values): the softmax warpgroup zeroes them."""
+    PAGE_ROWS: gl.constexpr = kv_desc.block_type.shape[0]
+    mbarrier.expect(bar, (BLOCK_N // PAGE_ROWS) * (2 * kv_desc.block_type.nbytes + rope_desc.block_type.nbytes),
+                    pred=valid)
+    for k in gl.static_range(BLOCK_N // PAGE_ROWS):
+        pos = tile * BLOCK_N + k * PAGE_ROWS
+        page = gl.load(table_row + gl.minimum(pos // page_size, max_pages - 1), mask=valid, other=0)
+        page = gl.minimum(gl.maximum(page, 0), num_pages - 1)
+        row = (page * page_size + pos % page_size).to(gl.int32)
+        tma.async_copy_global_to_shared(kv_desc, [row, 0], bar, lo_dst.slice(k * PAGE_ROWS, PAGE_ROWS), pred=valid)
+        tma.async_copy_global_to_shared(kv_desc, [row, C // 2], bar, hi_dst.slice(k * PAGE_ROWS, PAGE_ROWS),
+                                        pred=valid)
+        tma.async_copy_global_to_shared(rope_desc, [row, C], bar, rope_dst.slice(k * PAGE_ROWS, PAGE_ROWS),
+                                        pred=valid)
 
 
-@gluon.jit(do_not_specialize=_NO_SPECIALIZE)
-def _verify_fwd_wgmma(
-    QLat, QRope, Cache, Table, Prefix, Mask, Out, Lse, OPart, LsePart,
-    stride_qlr, stride_qlh, stride_qrr, stride_qrh,
-    stride_cp, stride_cr, stride_tb,
-    stride_or, stride_oh, stride_lr, stride_ls,
-    T, H, W, page_size, max_pages, num_pages, scale_log2, num_splits,
-    C: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    PARTIAL: gl.constexpr, TAIL_MASK: gl.constexpr, num_warps: gl.constexpr,
-):
-    dt: gl.constexpr = QLat.dtype.element_ty
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N, num_warps)
-    o_layout: gl.constexpr = _mma_layout(C, num_warps)
-    lat_ld: gl.constexpr = _rows_layout(C, num_warps)
-    rope_ld: gl.constexpr = _rows_layout(R, num_warps)
-    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+@gluon.jit
+def _zero_rows_from(buf, first, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """Zero rows first.. of a [BLOCK_N, width] shared buffer, 16 rows at a time (values past the
+    sequence: P is 0 there, but 0 x a stale NaN would not be)."""
+    for k in gl.static_range(BLOCK_N // 16):
+        if k * 16 + 16 > first:
+            rows = buf.slice(k * 16, 16)
+            x = rows.load(layout)
+            r = k * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+            rows.store(gl.where((r < first)[:, None], x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _store_rows(acc, inv_l, lse, Out, Lse, OPart, LsePart, b, pid_m, split, T, H,
+                stride_or, stride_oh, stride_lr, stride_ls, col0: gl.constexpr, WITH_LSE: gl.constexpr,
+                C: gl.constexpr, BLOCK_M: gl.constexpr, PARTIAL: gl.constexpr, o_layout: gl.constexpr):
+    """Columns [col0, col0 + width) of the normalized output (and, WITH_LSE, the lse) of this
+    program's rows: to out/lse, or to split `split`'s fp32 partials."""
+    out = acc * inv_l[:, None]
+    mo = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    mo_ok = mo < T * H
+    co = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_layout))
+    if PARTIAL:  # fp32 partials [splits, B*T*H, C] and [splits, B*T*H]
+        prow = split.to(gl.int64) * stride_ls + (b * T * H + mo).to(gl.int64)
+        gl.store(OPart + (prow * C)[:, None] + co[None, :], out, mask=mo_ok[:, None])
+        if WITH_LSE:
+            gl.store(LsePart + prow, lse, mask=mo_ok)
+    else:
+        orow = (b * T + mo // H).to(gl.int64)
+        gl.store(Out + (orow * stride_or + (mo % H) * stride_oh)[:, None] + co[None, :],
+                 out.to(Out.dtype.element_ty), mask=mo_ok[:, None])
+        if WITH_LSE:
+            gl.store(Lse + orow * stride_lr + mo % H, lse, mask=mo_ok)
+
+
+@gluon.jit
+def _softmax_warpgroup(q_lo_s, q_hi_s, q_rope_s, k_lo_s, k_hi_s, k_rope_s, p_s, alpha_s, stat_s,
+                       kv_ready, k_done, p_ready, p_free, final_ready,
+                       Mask, Out, Lse, OPart, LsePart, stride_or, stride_oh, stride_lr, stride_ls,
+                       b, pid_m, split, T, H, W, prefix, kv_len, lo, hi, full_hi, scale_log2,
+                       C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       PARTIAL: gl.constexpr, TAIL_MASK: gl.constexpr):
+    """Per tile: the scores (m64n64 over C + R: wgmma reads Q and K from shared memory), the tail
+    mask, the online softmax (rows are warp-local: no cross-warp reduction), P and the row scale
+    to shared memory for the value warpgroup, then output columns [0, C/2)."""
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(C // 2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    pid_m = gl.program_id(0)
-    b = gl.program_id(1)
-    split = gl.program_id(2)
-
-    # Q [BLOCK_M, C] and [BLOCK_M, R] -> shared memory, the A operand of every score product.
-    q_lat_s = gl.allocate_shared_memory(dt, [BLOCK_M, C], smem)
-    q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_M, R], smem)
-    m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lat_ld))
-    qrow = (b * T + m // H).to(gl.int64)
-    cc = gl.arange(0, C, layout=gl.SliceLayout(0, lat_ld))
-    q_lat_s.store(gl.load(QLat + (qrow * stride_qlr + (m % H) * stride_qlh)[:, None] + cc[None, :],
-                          mask=(m < T * H)[:, None], other=0.0))
-    m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rope_ld))
-    qrow = (b * T + m // H).to(gl.int64)
-    rr = gl.arange(0, R, layout=gl.SliceLayout(0, rope_ld))
-    q_rope_s.store(gl.load(QRope + (qrow * stride_qrr + (m % H) * stride_qrh)[:, None] + rr[None, :],
-                           mask=(m < T * H)[:, None], other=0.0))
-
-    prefix = gl.load(Prefix + b).to(gl.int32)
-    prefix = gl.maximum(prefix, 0)
-    kv_len = prefix + T
-    n_tiles = gl.cdiv(kv_len, BLOCK_N)
-    per_split = gl.cdiv(n_tiles, num_splits)
-    lo = split * per_split
-    hi = gl.minimum(lo + per_split, n_tiles)
-    full_hi = gl.maximum(gl.minimum(hi, prefix // BLOCK_N), lo)  # tiles wholly in the prefix
-    table_row = Table + b.to(gl.int64) * stride_tb
-
-    k_lat_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, C], smem)
-    k_rope_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, R], smem)
-    p_s = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], smem)
-    for j in gl.static_range(STAGES - 1):
-        _issue_kv_tile(Cache, table_row, lo + j, lo + j < hi, kv_len, page_size, max_pages, num_pages, stride_cp,
-                       stride_cr, k_lat_s.index(j), 0, C, BLOCK_N, lat_ld)
-        _issue_kv_tile(Cache, table_row, lo + j, lo + j < hi, kv_len, page_size, max_pages, num_pages, stride_cp,
-                       stride_cr, k_rope_s.index(j), C, R, BLOCK_N, rope_ld)
-        async_copy.commit_group()
-
-    # Rows of the score tile, for the tail mask.
+    zero_ld: gl.constexpr = _rows_layout(C // 2, 4)
     ms = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=s_rows)
     ms_ok = ms < T * H
     mask_row = Mask + (b * T + ms // H).to(gl.int64) * W
-    nn = gl.arange(0, BLOCK_N, layout=s_cols)
+    nn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
-    acc = gl.zeros([BLOCK_M, C], gl.float32, layout=o_layout)
+    acc = gl.zeros([BLOCK_M, C // 2], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     for tile in range(lo, hi):
         i = tile - lo
-        async_copy.wait_group(STAGES - 2)  # this thread's copies of `tile` landed
-        gl.thread_barrier()                # everyone's did; and the buffer refilled below is free
-        fence_async_shared()               # generic-proxy writes -> the async proxy (wgmma) reads
-        nxt = tile + STAGES - 1
-        _issue_kv_tile(Cache, table_row, nxt, nxt < hi, kv_len, page_size, max_pages, num_pages, stride_cp,
-                       stride_cr, k_lat_s.index((i + STAGES - 1) % STAGES),
-                       0, C, BLOCK_N, lat_ld)
-        _issue_kv_tile(Cache, table_row, nxt, nxt < hi, kv_len, page_size, max_pages, num_pages, stride_cp,
-                       stride_cr, k_rope_s.index((i + STAGES - 1) % STAGES),
-                       C, R, BLOCK_N, rope_ld)
-        async_copy.commit_group()
-
-        k_lat = k_lat_s.index(i % STAGES)
-        s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_rope_s, k_rope_s.index(i % STAGES).permute((1, 0)), s, is_async=True)
+        buf = i % STAGES
+        mbarrier.wait(kv_ready.index(buf), (i // STAGES) & 1)
+        if tile * BLOCK_N + BLOCK_N > kv_len:  # the last tile: rows past the sequence hold stale values
+            _zero_rows_from(k_lo_s.index(buf), kv_len - tile * BLOCK_N, BLOCK_N, zero_ld)
+            _zero_rows_from(k_hi_s.index(buf), kv_len - tile * BLOCK_N, BLOCK_N, zero_ld)
+            fence_async_shared()  # these generic stores before the wgmma reads (async proxy)
+        s = warpgroup_mma(q_lo_s, k_lo_s.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_hi_s, k_hi_s.index(buf).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_rope_s, k_rope_s.index(buf).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,)) * scale_log2
         if tile >= full_hi:  # a tile touching the tail: bitmask for tail keys, nothing past it
             pos = tile * BLOCK_N + nn
@@ -170,31 +169,141 @@ def _verify_fwd_wgmma(
         p = gl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
-        p_s.store(p.to(dt))
+        mbarrier.wait(p_free, (i - 1) & 1, pred=i > 0)  # the value warpgroup is done with P(i-1)
+        p_s.store(p.to(p_s.dtype))
+        alpha_s.store(alpha)
         fence_async_shared()
-        gl.thread_barrier()  # both warpgroups' halves of P are in place
+        gl.thread_barrier()  # every warp's part of P is written before the signal
+        mbarrier.arrive(p_ready)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        acc = warpgroup_mma(p_s, k_lat, acc, is_async=True)
+        acc = warpgroup_mma(p_s, k_lo_s.index(buf), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-    async_copy.wait_group(0)
+        mbarrier.arrive(k_done.index(buf))  # this warpgroup's reads of KV buffer `buf` are over
 
-    l_o = gl.convert_layout(l_i, o_rows)
-    m_o = gl.convert_layout(m_i, o_rows)
-    seen = l_o > 0.0
-    out = acc / gl.where(seen, l_o, 1.0)[:, None]
-    lse = gl.where(seen, (m_o + gl.log2(gl.where(seen, l_o, 1.0))) * 0.6931471805599453, float("-inf"))
-    mo = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=o_rows)
-    mo_ok = mo < T * H
-    co = gl.arange(0, C, layout=gl.SliceLayout(0, o_layout))
-    if PARTIAL:  # fp32 partials [splits, B*T*H, C] and [splits, B*T*H]
-        prow = split.to(gl.int64) * stride_ls + (b * T * H + mo).to(gl.int64)
-        gl.store(OPart + (prow * C)[:, None] + co[None, :], out, mask=mo_ok[:, None])
-        gl.store(LsePart + prow, lse, mask=mo_ok)
-    else:
-        orow = (b * T + mo // H).to(gl.int64)
-        gl.store(Out + (orow * stride_or + (mo % H) * stride_oh)[:, None] + co[None, :], out.to(dt),
-                 mask=mo_ok[:, None])
-        gl.store(Lse + orow * stride_lr + mo % H, lse, mask=mo_ok)
+    seen = l_i > 0.0
+    inv_l = 1.0 / gl.where(seen, l_i, 1.0)
+    stat_s.store(inv_l)
+    gl.thread_barrier()
+    mbarrier.arrive(final_ready)
+    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    _store_rows(acc, gl.convert_layout(inv_l, o_rows), gl.convert_layout(lse, o_rows), Out, Lse, OPart, LsePart,
+                b, pid_m, split, T, H, stride_or, stride_oh, stride_lr, stride_ls, 0, True, C, BLOCK_M, PARTIAL,
+                o_layout)
+
+
+@gluon.jit
+def _value_warpgroup(k_lo_s, k_hi_s, k_rope_s, p_s, alpha_s, stat_s, kv_ready, k_done, p_ready, p_free, final_ready,
+                     kv_desc, rope_desc, table_row, page_size, max_pages, num_pages,
+                     Out, Lse, OPart, LsePart, stride_or, stride_oh, stride_lr, stride_ls,
+                     b, pid_m, split, T, H, lo, hi,
+                     C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, PARTIAL: gl.constexpr):
+    """The KV loads (TMA, one tile ahead) and output columns [C/2, C): per tile, wait for P and
+    the row scale, rescale, P @ V_hi."""
+    o_layout: gl.constexpr = _mma_layout(C // 2)
+    _load_kv_tile(kv_desc, rope_desc, table_row, lo, lo < hi, page_size, max_pages, num_pages, kv_ready.index(0),
+                  k_lo_s.index(0), k_hi_s.index(0), k_rope_s.index(0), C, BLOCK_N)
+    acc = gl.zeros([BLOCK_M, C // 2], gl.float32, layout=o_layout)
+    for tile in range(lo, hi):
+        i = tile - lo
+        j = i + 1  # the next tile: its buffer is free once the softmax warpgroup is done with tile j - STAGES
+        nbuf = j % STAGES
+        valid = tile + 1 < hi
+        mbarrier.wait(k_done.index(nbuf), (j // STAGES - 1) & 1, pred=valid & (j >= STAGES))
+        _load_kv_tile(kv_desc, rope_desc, table_row, tile + 1, valid, page_size, max_pages, num_pages,
+                      kv_ready.index(nbuf), k_lo_s.index(nbuf), k_hi_s.index(nbuf), k_rope_s.index(nbuf), C, BLOCK_N)
+
+        mbarrier.wait(p_ready, i & 1)
+        alpha = alpha_s.load(gl.SliceLayout(1, o_layout))
+        acc = acc * alpha[:, None]
+        acc = warpgroup_mma(p_s, k_hi_s.index(i % STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(p_free)  # P, the row scale and KV buffer i % STAGES are free of this warpgroup
+
+    mbarrier.wait(final_ready, 0)
+    inv_l = stat_s.load(gl.SliceLayout(1, o_layout))
+    _store_rows(acc, inv_l, inv_l, Out, Lse, OPart, LsePart, b, pid_m, split, T, H, stride_or, stride_oh,
+                stride_lr, stride_ls, C // 2, False, C, BLOCK_M, PARTIAL, o_layout)
+
+
+@gluon.jit(do_not_specialize=_NO_SPECIALIZE)
+def _verify_fwd_wgmma(
+    QLat, QRope, kv_desc, rope_desc, Table, Prefix, Mask, Out, Lse, OPart, LsePart,
+    stride_qlr, stride_qlh, stride_qrr, stride_qrh, stride_tb,
+    stride_or, stride_oh, stride_lr, stride_ls,
+    T, H, W, page_size, max_pages, num_pages, scale_log2, num_splits,
+    C: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    PARTIAL: gl.constexpr, TAIL_MASK: gl.constexpr, VALUE_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Program (row block, request, split). The launch's 4 warps load Q to shared memory, then
+    become the softmax warpgroup; a second warpgroup (warp_specialize) loads KV and computes the
+    other half of the output columns. Handshakes through mbarriers, per tile:
+    kv_ready[buf] (the tile's TMA bytes landed), p_ready (P and the
+    row scale written), p_free (the value warpgroup's P @ V done), k_done[buf] (the softmax
+    warpgroup's reads of the KV buffer done), and final_ready (1 / row sum written)."""
+    gl.static_assert(num_warps == 4)
+    dt: gl.constexpr = QLat.dtype.element_ty
+    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)  # = _SMEM
+    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    pid_m = gl.program_id(0)
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+
+    # Q [BLOCK_M, C/2] x 2 and [BLOCK_M, R] -> shared memory: the A operands of every score product.
+    q_lo_s = gl.allocate_shared_memory(dt, [BLOCK_M, C // 2], smem)
+    q_hi_s = gl.allocate_shared_memory(dt, [BLOCK_M, C // 2], smem)
+    q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_M, R], smem)
+    half_ld: gl.constexpr = _rows_layout(C // 2, num_warps)
+    m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, half_ld))
+    q_ptr = QLat + ((b * T + m // H).to(gl.int64) * stride_qlr + (m % H) * stride_qlh)[:, None] \
+        + gl.arange(0, C // 2, layout=gl.SliceLayout(0, half_ld))[None, :]
+    q_lo_s.store(gl.load(q_ptr, mask=(m < T * H)[:, None], other=0.0))
+    q_hi_s.store(gl.load(q_ptr + C // 2, mask=(m < T * H)[:, None], other=0.0))
+    rope_ld: gl.constexpr = _rows_layout(R, num_warps)
+    m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rope_ld))
+    rr = gl.arange(0, R, layout=gl.SliceLayout(0, rope_ld))
+    q_rope_s.store(gl.load(QRope + ((b * T + m // H).to(gl.int64) * stride_qrr + (m % H) * stride_qrh)[:, None]
+                           + rr[None, :], mask=(m < T * H)[:, None], other=0.0))
+
+    k_lo_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, C // 2], smem)
+    k_hi_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, C // 2], smem)
+    k_rope_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, R], smem)
+    p_s = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], smem)
+    alpha_s = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
+    stat_s = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_done = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    final_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(k), count=1)  # expect-tx: the TMA bytes
+        mbarrier.init(k_done.index(k), count=1)
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(p_free, count=1)
+    mbarrier.init(final_ready, count=1)
+    fence_async_shared()
+
+    prefix = gl.load(Prefix + b).to(gl.int32)
+    prefix = gl.maximum(prefix, 0)
+    kv_len = prefix + T
+    n_tiles = gl.cdiv(kv_len, BLOCK_N)
+    per_split = gl.cdiv(n_tiles, num_splits)
+    lo = split * per_split
+    hi = gl.minimum(lo + per_split, n_tiles)
+    full_hi = gl.maximum(gl.minimum(hi, prefix // BLOCK_N), lo)  # tiles wholly in the prefix
+    table_row = Table + b.to(gl.int64) * stride_tb
+    gl.warp_specialize([
+        (_softmax_warpgroup, (q_lo_s, q_hi_s, q_rope_s, k_lo_s, k_hi_s, k_rope_s, p_s, alpha_s, stat_s,
+                              kv_ready, k_done, p_ready, p_free, final_ready,
+                              Mask, Out, Lse, OPart, LsePart, stride_or, stride_oh, stride_lr, stride_ls,
+                              b, pid_m, split, T, H, W, prefix, kv_len, lo, hi, full_hi, scale_log2,
+                              C, BLOCK_M, BLOCK_N, STAGES, PARTIAL, TAIL_MASK)),
+        (_value_warpgroup, (k_lo_s, k_hi_s, k_rope_s, p_s, alpha_s, stat_s, kv_ready, k_done, p_ready, p_free,
+                            final_ready, kv_desc, rope_desc, table_row, page_size, max_pages, num_pages,
+                            Out, Lse, OPart, LsePart, stride_or, stride_oh, stride_lr, stride_ls,
+                            b, pid_m, split, T, H, lo, hi, C, BLOCK_M, BLOCK_N, STAGES, PARTIAL)),
+    ], [4], [VALUE_REGS])
 
 
 @functools.cache
@@ -202,11 +311,41 @@ def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def wgmma_verify_supported(q_latent: torch.Tensor, q_rope: torch.Tensor, rows_per_request: int) -> bool:
-    """The shapes this kernel serves: sm_90, C = 512, R = 64, at least BLOCK_M rows per request
-    (fewer rows stream the KV cache: the Triton kernel's split path)."""
+def wgmma_verify_supported(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                           rows_per_request: int) -> bool:
+    """The inputs this kernel serves: sm_90, C = 512, R = 64, at least BLOCK_M rows per request
+    (fewer rows stream the KV cache: the Triton kernel's split path), and a cache TMA can read as
+    one [pages * page_size, C + R] matrix: pages packed, a power-of-two page size >= 8, rows
+    16-byte aligned, fewer than 2^31 rows."""
+    pages, page_size, width = cache.shape
     return (q_latent.is_cuda and q_latent.shape[-1] == 512 and q_rope.shape[-1] == 64
-            and rows_per_request >= BLOCK_M and _is_sm90(q_latent.device.index or 0))
+            and rows_per_request >= BLOCK_M
+            and page_size >= 8 and page_size & (page_size - 1) == 0
+            and cache.stride(2) == 1 and cache.stride(0) == page_size * cache.stride(1)
+            and (cache.stride(1) * cache.element_size()) % 16 == 0 and cache.data_ptr() % 16 == 0
+            and pages * page_size < 2**31
+            and _is_sm90(q_latent.device.index or 0))
+
+
+_DESCRIPTORS: dict[tuple, tuple] = {}  # the last few caches' descriptors (each holds a view of its cache)
+_DESCRIPTORS_KEPT = 2
+
+
+def _kv_descriptors(cache: torch.Tensor, c: int, r: int) -> tuple:
+    """TMA descriptors over the cache as [pages * page_size, C + R]: boxes of min(page size,
+    BLOCK_N) rows by C/2 columns (latent halves) and by R (rope), 128-byte swizzled. Kept for the
+    last _DESCRIPTORS_KEPT caches (building them costs ~20 us of host time per call)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    pages, page_size, width = cache.shape
+    key = (cache.data_ptr(), cache.device, cache.dtype, tuple(cache.shape), cache.stride(), c, r)
+    if key not in _DESCRIPTORS:
+        flat = cache.as_strided((pages * page_size, width), (cache.stride(1), 1))
+        rows = min(page_size, BLOCK_N)
+        while len(_DESCRIPTORS) >= _DESCRIPTORS_KEPT:
+            _DESCRIPTORS.pop(next(iter(_DESCRIPTORS)))
+        _DESCRIPTORS[key] = (TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, c // 2], _SMEM),
+                             TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, r], _SMEM))
+    return _DESCRIPTORS[key]
 
 
 def wgmma_splits(rows_per_request: int, batch: int, max_kv_len: int, sms: int) -> int:
@@ -237,9 +376,10 @@ def mla_verify_attention_wgmma(
     `wgmma_verify_supported` accepts (ValueError otherwise). splits: KV splits (default
     `wgmma_splits`); more than one writes fp32 partials merged by a second launch."""
     b, t, heads, c, r = check_verify_inputs(q_latent, q_rope, cache, block_table, prefix_lens, mask, out, lse)
-    if not wgmma_verify_supported(q_latent, q_rope, t * heads):
-        raise ValueError(f"the wgmma kernel needs sm_90, C 512, R 64 and >= {BLOCK_M} rows per request; got "
-                         f"{q_latent.device}, C {c}, R {r}, {t * heads} rows")
+    if not wgmma_verify_supported(q_latent, q_rope, cache, t * heads):
+        raise ValueError(f"the wgmma kernel needs sm_90, C 512, R 64, >= {BLOCK_M} rows per request and packed "
+                         f"pages of a power-of-two size >= 8; got {q_latent.device}, C {c}, R {r}, {t * heads} rows, "
+                         f"cache {tuple(cache.shape)} strides {cache.stride()}")
     if check_values:
         check_verify_values(cache, block_table, prefix_lens, t)
     rows, device = b * t, q_latent.device
@@ -256,14 +396,14 @@ def mla_verify_attention_wgmma(
     if splits > 1:
         o_part = torch.empty(splits, rows * heads, c, dtype=torch.float32, device=device)
         lse_part = torch.empty(splits, rows * heads, dtype=torch.float32, device=device)
+    kv_desc, rope_desc = _kv_descriptors(cache, c, r)
     _verify_fwd_wgmma[grid](
-        q_latent, q_rope, cache, table, prefix_lens, mask64, out, lse,
+        q_latent, q_rope, kv_desc, rope_desc, table, prefix_lens, mask64, out, lse,
         out if o_part is None else o_part, lse if lse_part is None else lse_part,
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        cache.stride(0), cache.stride(1), table.stride(0), out.stride(0), out.stride(1), lse.stride(0), rows * heads,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), table.stride(0), out.stride(0), out.stride(1), lse.stride(0), rows * heads,
         t, heads, mask64.shape[-1], cache.shape[1], table.shape[1], cache.shape[0], softmax_scale * _LOG2E, splits,
         C=c, R=r, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, PARTIAL=splits > 1, TAIL_MASK=tail_mask,
-        num_warps=WARPS)
+        VALUE_REGS=VALUE_REGS, num_warps=WARPS)
     if splits > 1:
         block_c = 128
         _merge_splits[(rows * heads, c // block_c)](
@@ -272,7 +412,7 @@ def mla_verify_attention_wgmma(
     return out, lse
 
 
-def compile_for_sm90(partial: bool = False):
+def compile_for_sm90(partial: bool = False, page_size: int = 64):
     """Compile the kernel for sm_90a without a GPU (C 512, R 64, bf16): the triton CompiledKernel,
     whose .metadata.shared and .asm["ptx"] tests and `bench_verify_attn --resources` read."""
     from triton.backends.compiler import GPUTarget
@@ -281,14 +421,15 @@ def compile_for_sm90(partial: bool = False):
     fn = _verify_fwd_wgmma
     names = fn.arg_names
     const = dict(C=512, R=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, PARTIAL=partial, TAIL_MASK=True,
-                 num_warps=WARPS)
+                 VALUE_REGS=VALUE_REGS, num_warps=WARPS)
+    rows = min(page_size, BLOCK_N)
     sig = {n: "i32" for n in names}
-    sig.update({n: "*bf16" for n in ("QLat", "QRope", "Cache", "Out")})
-    sig.update(Table="*i32", Prefix="*i64", Mask="*i64", Lse="*fp32", OPart="*fp32", LsePart="*fp32",
+    sig.update({n: "*bf16" for n in ("QLat", "QRope", "Out")})
+    sig.update(kv_desc=f"tensordesc<bf16[{rows},256],{_SMEM!r}>", rope_desc=f"tensordesc<bf16[{rows},64],{_SMEM!r}>",
+               Table="*i32", Prefix="*i64", Mask="*i64", Lse="*fp32", OPart="*fp32", LsePart="*fp32",
                scale_log2="fp32", **dict.fromkeys(const, "constexpr"))
-    aligned = ("QLat", "QRope", "Cache", "Table", "Prefix", "Mask", "Out", "Lse", "OPart", "LsePart",
-               "stride_qlr", "stride_qlh", "stride_qrr", "stride_qrh", "stride_cp", "stride_cr", "stride_or",
-               "stride_oh")  # as Triton specializes them at launch
+    aligned = ("QLat", "QRope", "Table", "Prefix", "Mask", "Out", "Lse", "OPart", "LsePart",
+               "stride_qlr", "stride_qlh", "stride_qrr", "stride_qrh", "stride_or", "stride_oh")  # as at launch
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     return triton.compile(GluonASTSource(fn, sig, const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=WARPS))
