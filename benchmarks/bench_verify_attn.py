@@ -216,9 +216,9 @@ def decode_row(work, gen, batch: int, nodes: int, heads: int, prefix: int) -> st
     kernel, name = shipped_kernel(inputs)
     triton_cfg = launch_config(nodes * heads, batch, kv_bound, torch.device("cuda"))
     if name == "wgmma":
-        from ddtree.kernels.mla_verify_wgmma import wgmma_splits
-        labels = (f"wgmma/x{wgmma_splits(nodes * heads, batch, kv_bound, torch.cuda.get_device_properties(0).multi_processor_count)}",
-                  cfg_str(triton_cfg))
+        from ddtree.kernels.mla_verify_wgmma import wgmma_config
+        bn, stages, splits = wgmma_config(nodes * heads, batch, kv_bound, torch.cuda.get_device_properties(0).multi_processor_count)
+        labels = (f"wgmma/{bn}/{stages}s/x{splits}", cfg_str(triton_cfg))
     else:
         labels = (cfg_str(triton_cfg), cfg_str(triton_cfg))
     calls = (lambda: kernel(*inputs, 0.05), lambda: mla_verify_attention_triton(*inputs, 0.05))

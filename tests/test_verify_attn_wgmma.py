@@ -46,10 +46,12 @@ def test_matches_float64_reference(tail, heads, prefixes, page_size, kind):
 
 @gpu
 @pytest.mark.parametrize("splits", [1, 2, 3, 8, 40])
-def test_split_counts_agree_with_reference(splits):
-    """Splits beyond the tiles a request has (empty splits), a partial last row block (65 rows)."""
+@pytest.mark.parametrize("tile", [(64, 2), (32, 4), (32, 2)])
+def test_tiles_and_split_counts_agree_with_reference(tile, splits):
+    """Both tile shapes (and a shallower ring), splits beyond the tiles a request has (empty
+    splits), a partial last row block (65 rows)."""
     inputs = inputs_for([1000, 3, 130], 13, 5, 16, "tree", 7)
-    check_against_reference(kernel(), inputs, scale=0.3, splits=splits)
+    check_against_reference(kernel(), inputs, scale=0.3, config=(*tile, splits))
 
 
 @gpu
@@ -57,8 +59,8 @@ def test_row_that_sees_nothing_gives_zero_and_minus_inf():
     inputs = list(inputs_for([0, 70], 8, 16, 16, "chain", 3))
     inputs[5] = inputs[5].clone()
     inputs[5][0, 2] = 0  # request 0 (no prefix), tail row 2: sees no key at all
-    for splits in (1, 3):
-        out, lse = kernel()(*inputs, 0.2, splits=splits)
+    for config in ((64, 2, 1), (32, 4, 3)):
+        out, lse = kernel()(*inputs, 0.2, config=config)
         assert torch.equal(out[2], torch.zeros_like(out[2])) and bool((lse[2] == float("-inf")).all())
         assert out[3:].isfinite().all() and lse[3:].isfinite().all()
 
@@ -79,8 +81,8 @@ def test_rows_past_the_sequence_never_leak(page_size):
         pos = torch.arange(p + tail, device=cache.device)
         keep[table[b, pos // page_size].long(), pos % page_size] = True
     poisoned = torch.where(keep[..., None], cache, torch.full_like(cache, float("nan")))
-    for splits in (1, 3):
-        got, got_lse = kernel()(q_latent, q_rope, poisoned, table, prefix, mask, 0.1, splits=splits)
+    for config in ((64, 2, 1), (64, 2, 3), (32, 4, 1), (32, 4, 3)):
+        got, got_lse = kernel()(q_latent, q_rope, poisoned, table, prefix, mask, 0.1, config=config)
         assert got.isfinite().all() and got_lse.isfinite().all()
         assert (got.double() - want).norm() / want.norm() <= 1e-2
         assert (got_lse.double() - want_lse.double()).abs().max() <= 2e-2
@@ -106,19 +108,24 @@ def test_dispatcher_uses_wgmma_for_64_rows_and_triton_below(monkeypatch):
 
 def test_compiles_for_sm90_within_shared_memory():
     """Offline compile (no GPU needed): the buffers fit the 227 KB an sm_90 block may use, and
-    every product is a wgmma (36 score instructions m64n64k16, 4 + 4 value m64n256k16 per tile)."""
-    from ddtree.kernels.mla_verify_wgmma import compile_for_sm90
-    for partial in (False, True):
-        compiled = compile_for_sm90(partial, page_size=16)
+    every product is a wgmma: per 64-key tile 36 score instructions m64n64k16 and 4 + 4 value
+    m64n256k16; per 32-key tile 36 m64n32k16 and 2 + 2. A 64-key tile of 16-key pages is 4 x 3 TMA
+    boxes (issued in the prologue and the loop)."""
+    from ddtree.kernels.mla_verify_wgmma import TILE, compile_for_sm90
+    for partial, tile, wgmma in ((False, TILE, 44), (True, TILE, 44), (False, (32, 4), 40)):
+        compiled = compile_for_sm90(partial, page_size=16, tile=tile)
+        ptx = compiled.asm["ptx"]
         assert compiled.metadata.shared <= 227 * 1024
-        assert compiled.asm["ptx"].count("wgmma.mma_async") == 44
-        assert compiled.asm["ptx"].count("cp.async.bulk.tensor") == 2 * 12  # 4 pages x 3 boxes per tile
+        assert ptx.count("wgmma.mma_async") == wgmma
+        assert ptx.count("cp.async.bulk.tensor") == 2 * 3 * tile[0] // 16
 
 
-def test_split_rule_fills_the_sms_once():
-    from ddtree.kernels.mla_verify_wgmma import wgmma_splits
-    assert wgmma_splits(1024, 16, 8192, 132) == 1             # 256 row blocks: no split
-    assert wgmma_splits(1024, 1, 8192, 132) == 8              # 16 row blocks x 8 splits <= 132
-    assert wgmma_splits(64, 64, 8192, 132) == 2
-    assert wgmma_splits(64, 1, 100, 132) == 1                 # 2 tiles: no split
-    assert wgmma_splits(64, 1, 32768, 132) == 132
+def test_config_rule():
+    from ddtree.kernels.mla_verify_wgmma import TILE, wgmma_config
+    assert wgmma_config(1024, 16, 8192, 132) == (*TILE, 1)     # 256 row blocks: no split
+    assert wgmma_config(1024, 1, 8192, 132) == (*TILE, 8)      # 16 row blocks x 8 splits of 1024 keys
+    assert wgmma_config(64, 64, 8192, 132) == (*TILE, 2)       # 64 row blocks x 2 splits fill the SMs
+    assert wgmma_config(64, 64, 1024, 132) == (*TILE, 1)       # splits of 512 keys: not worth a merge
+    assert wgmma_config(64, 16, 8192, 132) == (*TILE, 8)
+    assert wgmma_config(64, 1, 8192, 132) == (*TILE, 64)       # one small request: splits of 128 keys
+    assert wgmma_config(64, 1, 100, 132) == (*TILE, 1)         # too short to split

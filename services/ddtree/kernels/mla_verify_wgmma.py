@@ -11,7 +11,7 @@ one request) and runs two warpgroups.
 The two meet at mbarriers, so one warpgroup's softmax runs under the other's value product. KV
 tiles [BLOCK_N, C + R] live in 128-byte-swizzled shared memory, STAGES of them; the same buffer
 is the scores' B operand (K-major) and the output's (N-major). Shared memory at BLOCK_N 64 and
-2 stages: Q 72 KB + KV 144 KB + P 8 KB: one program per SM. TMA (not cp.async, which measured
+2 stages (or 32 and 4): Q 72 KB + KV 144 KB + P 8 KB: one program per SM. TMA (not cp.async, which measured
 half the speed: each thread's copies are few bytes in flight) needs the pages packed in one
 matrix (`wgmma_verify_supported`); the last tile's rows past the sequence are zeroed in shared
 memory before use (TMA copies whole pages).
@@ -36,11 +36,14 @@ from .mla_verify_triton import _LOG2E, _merge_splits, _num_sms
 from .validate import check_verify_inputs, check_verify_values
 
 BLOCK_M = 64  # rows of one program: one wgmma M tile
-BLOCK_N = 64  # keys per KV tile: the score product is m64n64
-STAGES = 2    # KV tiles in flight (3 do not fit in 227 KB with Q resident)
+TILE = (64, 2)  # (BLOCK_N, STAGES): m64n64 scores, 2 tiles in flight (3 do not fit in 227 KB). (32, 4),
+                # for the same bytes in flight, measured 5-15% slower on 64-row decode (H200, 2026-11-30)
 WARPS = 4     # per warpgroup: the softmax warpgroup (the launch's warps) plus the value warpgroup
 VALUE_REGS = 232  # registers per thread of the value warpgroup (setmaxnreg)
-MIN_SPLIT_TILES = 2  # a split reads at least this many 64-key tiles
+MIN_SPLIT_KEYS = 1024  # a split reads at least this many keys (B 64, 4 nodes x h 16, 1k: 2 splits of 512
+                       # took 88 us, 1 split 55 us: the partials' traffic and the merge launch)
+SMALL_ROWS = 256       # ... or 128 keys when the batch has at most this many rows: the merge is then cheap
+                       # and more programs stream more (B 1, 64 rows, 8k: 64 splits 20 us, 32 splits 23)
 _SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)  # wgmma / TMA operands
 _NO_SPECIALIZE = ["T", "H", "W", "max_pages", "num_pages", "num_splits", "stride_ls", "stride_tb", "stride_lr"]
 
@@ -50,6 +53,12 @@ def _rows_layout(width, warps):
     """Blocked layout for [rows, width] loads: 16-byte vectors, a warp across the columns."""
     lanes_n = min(32, width // 8)
     return gl.BlockedLayout([1, 8], [32 // lanes_n, lanes_n], [warps, 1], [1, 0])
+
+
+@constexpr_function
+def _smem_layout(width):
+    """wgmma/TMA operand layout of a [rows, width] 16-bit tile: swizzled across up to 128 bytes."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * width), element_bitwidth=16, rank=2)
 
 
 @constexpr_function
@@ -268,7 +277,7 @@ def _verify_fwd_wgmma(
     k_lo_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, C // 2], smem)
     k_hi_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, C // 2], smem)
     k_rope_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, R], smem)
-    p_s = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], smem)
+    p_s = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], _smem_layout(BLOCK_N))
     alpha_s = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
     stat_s = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -328,19 +337,19 @@ def wgmma_verify_supported(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: 
 
 
 _DESCRIPTORS: dict[tuple, tuple] = {}  # the last few caches' descriptors (each holds a view of its cache)
-_DESCRIPTORS_KEPT = 2
+_DESCRIPTORS_KEPT = 4  # two caches x two tile heights
 
 
-def _kv_descriptors(cache: torch.Tensor, c: int, r: int) -> tuple:
+def _kv_descriptors(cache: torch.Tensor, c: int, r: int, block_n: int) -> tuple:
     """TMA descriptors over the cache as [pages * page_size, C + R]: boxes of min(page size,
-    BLOCK_N) rows by C/2 columns (latent halves) and by R (rope), 128-byte swizzled. Kept for the
+    block_n) rows by C/2 columns (latent halves) and by R (rope), 128-byte swizzled. Kept for the
     last _DESCRIPTORS_KEPT caches (building them costs ~20 us of host time per call)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     pages, page_size, width = cache.shape
-    key = (cache.data_ptr(), cache.device, cache.dtype, tuple(cache.shape), cache.stride(), c, r)
+    key = (cache.data_ptr(), cache.device, cache.dtype, tuple(cache.shape), cache.stride(), c, r, block_n)
     if key not in _DESCRIPTORS:
         flat = cache.as_strided((pages * page_size, width), (cache.stride(1), 1))
-        rows = min(page_size, BLOCK_N)
+        rows = min(page_size, block_n)
         while len(_DESCRIPTORS) >= _DESCRIPTORS_KEPT:
             _DESCRIPTORS.pop(next(iter(_DESCRIPTORS)))
         _DESCRIPTORS[key] = (TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, c // 2], _SMEM),
@@ -348,13 +357,14 @@ def _kv_descriptors(cache: torch.Tensor, c: int, r: int) -> tuple:
     return _DESCRIPTORS[key]
 
 
-def wgmma_splits(rows_per_request: int, batch: int, max_kv_len: int, sms: int) -> int:
-    """KV splits: programs are one per SM (224 KB of shared memory each); when the row blocks
-    alone do not fill the SMs, split each request's KV range so they do (>= MIN_SPLIT_TILES tiles)."""
+def wgmma_config(rows_per_request: int, batch: int, max_kv_len: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, STAGES, splits). Programs are one per SM (~224 KB of shared memory each). When the
+    row blocks alone do not fill the SMs, each request's KV range is split so they do, each split
+    at least MIN_SPLIT_KEYS keys (128 for batches of at most SMALL_ROWS rows)."""
     programs = batch * triton.cdiv(rows_per_request, BLOCK_M)
-    if programs >= sms:
-        return 1
-    return max(1, min(triton.cdiv(max(max_kv_len, 1), BLOCK_N) // MIN_SPLIT_TILES, sms // programs))
+    min_keys = 128 if batch * rows_per_request <= SMALL_ROWS else MIN_SPLIT_KEYS
+    splits = 1 if programs >= sms else max(1, min(max(max_kv_len, 1) // min_keys, sms // programs))
+    return (*TILE, splits)
 
 
 def mla_verify_attention_wgmma(
@@ -366,15 +376,16 @@ def mla_verify_attention_wgmma(
     mask: torch.Tensor,
     softmax_scale: float,
     *,
-    splits: int | None = None,
+    config: tuple[int, int, int] | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     check_values: bool = False,
     tail_mask: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as mla_verify_triton.mla_verify_attention_triton, for inputs that
-    `wgmma_verify_supported` accepts (ValueError otherwise). splits: KV splits (default
-    `wgmma_splits`); more than one writes fp32 partials merged by a second launch."""
+    `wgmma_verify_supported` accepts (ValueError otherwise). config: (BLOCK_N, STAGES, splits),
+    default `wgmma_config`; BLOCK_N 32 or 64 with STAGES * BLOCK_N <= 128; more than one split writes
+    fp32 partials merged by a second launch."""
     b, t, heads, c, r = check_verify_inputs(q_latent, q_rope, cache, block_table, prefix_lens, mask, out, lse)
     if not wgmma_verify_supported(q_latent, q_rope, cache, t * heads):
         raise ValueError(f"the wgmma kernel needs sm_90, C 512, R 64, >= {BLOCK_M} rows per request and packed "
@@ -385,10 +396,12 @@ def mla_verify_attention_wgmma(
     rows, device = b * t, q_latent.device
     out = torch.empty(rows, heads, c, dtype=q_latent.dtype, device=device) if out is None else out
     lse = torch.empty(rows, heads, dtype=torch.float32, device=device) if lse is None else lse
-    if splits is None:
-        splits = wgmma_splits(t * heads, b, block_table.shape[1] * cache.shape[1], _num_sms(device.index or 0))
-    if splits < 1:
-        raise ValueError(f"splits must be >= 1, got {splits}")
+    if config is None:
+        config = wgmma_config(t * heads, b, block_table.shape[1] * cache.shape[1], _num_sms(device.index or 0))
+    block_n, stages, splits = config
+    if splits < 1 or block_n not in (32, 64) or not 2 <= stages <= 128 // block_n:
+        raise ValueError(f"config (BLOCK_N, STAGES, splits) must have BLOCK_N 32 or 64, 2 <= STAGES <= "
+                         f"128 / BLOCK_N and splits >= 1; got {config}")
     mask64 = (mask.view(torch.int64) if mask.dtype == torch.uint64 else mask).contiguous()
     table = block_table.contiguous()
     grid = (triton.cdiv(t * heads, BLOCK_M), b, splits)
@@ -396,13 +409,13 @@ def mla_verify_attention_wgmma(
     if splits > 1:
         o_part = torch.empty(splits, rows * heads, c, dtype=torch.float32, device=device)
         lse_part = torch.empty(splits, rows * heads, dtype=torch.float32, device=device)
-    kv_desc, rope_desc = _kv_descriptors(cache, c, r)
+    kv_desc, rope_desc = _kv_descriptors(cache, c, r, block_n)
     _verify_fwd_wgmma[grid](
         q_latent, q_rope, kv_desc, rope_desc, table, prefix_lens, mask64, out, lse,
         out if o_part is None else o_part, lse if lse_part is None else lse_part,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), table.stride(0), out.stride(0), out.stride(1), lse.stride(0), rows * heads,
         t, heads, mask64.shape[-1], cache.shape[1], table.shape[1], cache.shape[0], softmax_scale * _LOG2E, splits,
-        C=c, R=r, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, PARTIAL=splits > 1, TAIL_MASK=tail_mask,
+        C=c, R=r, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages, PARTIAL=splits > 1, TAIL_MASK=tail_mask,
         VALUE_REGS=VALUE_REGS, num_warps=WARPS)
     if splits > 1:
         block_c = 128
@@ -412,7 +425,7 @@ def mla_verify_attention_wgmma(
     return out, lse
 
 
-def compile_for_sm90(partial: bool = False, page_size: int = 64):
+def compile_for_sm90(partial: bool = False, page_size: int = 64, tile: tuple[int, int] = TILE):
     """Compile the kernel for sm_90a without a GPU (C 512, R 64, bf16): the triton CompiledKernel,
     whose .metadata.shared and .asm["ptx"] tests and `bench_verify_attn --resources` read."""
     from triton.backends.compiler import GPUTarget
@@ -420,9 +433,9 @@ def compile_for_sm90(partial: bool = False, page_size: int = 64):
 
     fn = _verify_fwd_wgmma
     names = fn.arg_names
-    const = dict(C=512, R=64, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, PARTIAL=partial, TAIL_MASK=True,
+    const = dict(C=512, R=64, BLOCK_M=BLOCK_M, BLOCK_N=tile[0], STAGES=tile[1], PARTIAL=partial, TAIL_MASK=True,
                  VALUE_REGS=VALUE_REGS, num_warps=WARPS)
-    rows = min(page_size, BLOCK_N)
+    rows = min(page_size, tile[0])
     sig = {n: "i32" for n in names}
     sig.update({n: "*bf16" for n in ("QLat", "QRope", "Out")})
     sig.update(kv_desc=f"tensordesc<bf16[{rows},256],{_SMEM!r}>", rope_desc=f"tensordesc<bf16[{rows},64],{_SMEM!r}>",
