@@ -42,8 +42,9 @@ WARPS = 4     # per warpgroup: the softmax warpgroup (the launch's warps) plus t
 VALUE_REGS = 232  # registers per thread of the value warpgroup (setmaxnreg)
 MIN_SPLIT_KEYS = 1024  # a split reads at least this many keys (B 64, 4 nodes x h 16, 1k: 2 splits of 512
                        # took 88 us, 1 split 55 us: the partials' traffic and the merge launch)
-SMALL_ROWS = 256       # ... or 128 keys when the batch has at most this many rows: the merge is then cheap
-                       # and more programs stream more (B 1, 64 rows, 8k: 64 splits 20 us, 32 splits 23)
+FEW_PROGRAMS = 8       # ... or 128 keys when there are at most this many row blocks in all: latency-bound,
+                       # more programs stream more and the merge is small (CUDA-graph replay, B 1, 8k:
+                       # 64 rows 64 splits 20.3 us, 16: 26.9; 128 rows 64 splits 21.3 us, 8: 41.8)
 _SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)  # wgmma / TMA operands
 _NO_SPECIALIZE = ["T", "H", "W", "max_pages", "num_pages", "num_splits", "stride_ls", "stride_tb", "stride_lr"]
 
@@ -360,9 +361,9 @@ def _kv_descriptors(cache: torch.Tensor, c: int, r: int, block_n: int) -> tuple:
 def wgmma_config(rows_per_request: int, batch: int, max_kv_len: int, sms: int) -> tuple[int, int, int]:
     """(BLOCK_N, STAGES, splits). Programs are one per SM (~224 KB of shared memory each). When the
     row blocks alone do not fill the SMs, each request's KV range is split so they do, each split
-    at least MIN_SPLIT_KEYS keys (128 for batches of at most SMALL_ROWS rows)."""
+    at least MIN_SPLIT_KEYS keys (128 for at most FEW_PROGRAMS row blocks)."""
     programs = batch * triton.cdiv(rows_per_request, BLOCK_M)
-    min_keys = 128 if batch * rows_per_request <= SMALL_ROWS else MIN_SPLIT_KEYS
+    min_keys = 128 if programs <= FEW_PROGRAMS else MIN_SPLIT_KEYS
     splits = 1 if programs >= sms else max(1, min(max(max_kv_len, 1) // min_keys, sms // programs))
     return (*TILE, splits)
 
