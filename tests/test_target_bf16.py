@@ -79,3 +79,34 @@ def test_grouped_expert_gemms_match_the_expert_loop():
         grouped = moe(x).float()
         assert moe(x[:1]).shape == (1, 256)  # a token with no expert on this rank: empty groups
     torch.testing.assert_close(grouped, loop, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
+def test_bf16_tree_verify_with_real_latent_widths_runs_the_kernels(tmp_path, monkeypatch):
+    """DeepSeek-V3's latent widths (512 + 64) and 16 heads: the model's tree verify on the GPU runs
+    the wgmma kernel (sm_90, >= 64 rows per request) and agrees with the torch attention path."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel is for sm_90")
+    import ddtree.kernels.mla_verify_wgmma as wgmma
+    make_checkpoint(tmp_path, **{**CONFIGS["no_qlora_dense_only"], "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                                 "num_attention_heads": 16, "num_key_value_heads": 16})
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 96, (n,), generator=gen) for n in (300, 41)]
+    tokens, depths, mask, _ = random_trees([20, 9], 96, gen)
+    root = torch.randint(0, 96, (2,), generator=gen)
+    calls = []
+    original = wgmma.mla_verify_attention_wgmma
+    monkeypatch.setattr(wgmma, "mla_verify_attention_wgmma", lambda *a, **k: calls.append(1) or original(*a, **k))
+    outs = []
+    for attention in ("auto", "torch"):
+        monkeypatch.setenv("DDTREE_VERIFY_ATTN", attention)
+        model = TargetModel.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda")
+        model.allocate_cache(num_pages=64, page_size=16)
+        for s, prompt in enumerate(prompts):
+            model.add_sequence(s)
+            model.prefill(s, prompt, chunk_size=64)
+        outs.append(model.verify([0, 1], root, tokens, depths, mask, return_logits=True).logits)
+        if attention == "auto":
+            assert calls, "the verify did not run the wgmma kernel"
+    for b, size in enumerate((20, 9)):
+        assert_bf16_close(outs[0][b, : size + 1], outs[1][b, : size + 1], dense=True)
