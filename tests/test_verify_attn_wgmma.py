@@ -89,6 +89,17 @@ def test_rows_past_the_sequence_never_leak(page_size):
 
 
 @gpu
+def test_bad_table_entries_never_fault():
+    """Page ids past the cache or negative are clamped (wrong rows, finite numbers), never an
+    out-of-bounds read (run under compute-sanitizer memcheck on the device)."""
+    q_latent, q_rope, cache, table, prefix, mask = inputs_for([200, 70], 8, 16, 16, "chain", 9)
+    table = table.clone()
+    table[0, 3], table[1, 0] = 10**6, -5
+    out, lse = kernel()(q_latent, q_rope, cache, table, prefix, mask, 0.1)
+    assert out.isfinite().all() and lse.isfinite().all()
+
+
+@gpu
 def test_dispatcher_uses_wgmma_for_64_rows_and_triton_below(monkeypatch):
     import ddtree.kernels.mla_verify_triton as triton_module
     import ddtree.kernels.mla_verify_wgmma as wgmma_module
