@@ -357,6 +357,7 @@ def run_grid(args) -> list[dict]:
         row = dict(batch=batch, nodes=nodes, heads=heads, prefix=prefix, flops=flops, bytes=nbytes)
         kernel, row["kernel"] = shipped_kernel(inputs)
         row["us"] = timed(lambda: kernel(*inputs, scale))
+        row["graph_us"] = graph_us(lambda: kernel(*inputs, scale))
         row["nomask_us"] = (timed(lambda: kernel(*inputs, scale, tail_mask=False)) if nodes > 1 else float("nan"))
         row["triton_us"] = (timed(lambda: mla_verify_attention_triton(*inputs, scale))
                             if row["kernel"] != "triton" else row["us"])
@@ -372,7 +373,7 @@ def run_grid(args) -> list[dict]:
 
 
 HEADER = ("verify_attn  batch nodes  h  prefix      us   TFLOP/s  %mm   GB/s  %copy  mask%   ref_us  xref"
-          "   mm_TFLOP/s copy_GB/s kernel  triton_us  xtriton")
+          "   mm_TFLOP/s copy_GB/s kernel  triton_us  xtriton  graph_us %mm_g %copy_g")
 
 
 def format_row(r: dict) -> str:
@@ -383,7 +384,9 @@ def format_row(r: dict) -> str:
     return (f"verify_attn {r['batch']:6d} {r['nodes']:5d} {r['heads']:2d} {r['prefix']:7d} {r['us']:8.1f}"
             f" {tflops:8.1f} {100 * tflops / r['mm_tflops']:4.0f} {gbs:6.0f} {100 * gbs / r['copy_gbs']:5.0f}"
             f" {mask:6.1f} {r['ref_us']:8.0f} {xref:5.1f} {r['mm_tflops']:10.1f} {r['copy_gbs']:9.0f}"
-            f" {r['kernel']:>6} {r['triton_us']:10.1f} {r['triton_us'] / r['us']:8.2f}")
+            f" {r['kernel']:>6} {r['triton_us']:10.1f} {r['triton_us'] / r['us']:8.2f} {r['graph_us']:9.1f}"
+            f" {100 * r['flops'] / r['graph_us'] / 1e6 / r['mm_tflops']:5.0f}"
+            f" {100 * r['bytes'] / r['graph_us'] / 1e3 / r['copy_gbs']:6.0f}")
 
 
 def run_variants(args) -> None:
@@ -503,7 +506,9 @@ def main(argv: list[str] | None = None) -> int:
                 "device copy of the same bytes; mask%: time over the same kernel with the tail mask off;\n"
                 "xref: torch reference time over kernel time (nan: reference skipped, > 4 GB);\n"
                 "kernel: what the model's dispatcher runs (wgmma: >= 64 rows per request on sm_90);\n"
-                "triton_us: the Triton kernel on the same inputs, same run; xtriton = triton_us / us\n"
+                "triton_us: the Triton kernel on the same inputs, same run; xtriton = triton_us / us;\n"
+                "graph_us: the dispatcher's kernel under CUDA-graph replay (no host gaps between its kernel and\n"
+                "merge launches), %mm_g / %copy_g against the same (eager) ceilings\n"
                 f"{HEADER}\n{table}\n")
         print(text)
         append(text)
