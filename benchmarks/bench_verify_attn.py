@@ -421,8 +421,9 @@ def run_variants(args) -> None:
 
 
 def resources() -> None:
-    """Compile the kernel for sm_90 without a GPU and print ptxas's registers/spills per config
-    (pointer and stride arguments marked 16-divisible, as Triton specializes them at launch)."""
+    """Compile the kernels for sm_90 without a GPU and print ptxas's registers/spills per config
+    (pointer and stride arguments marked 16-divisible, as Triton specializes them at launch): the
+    Triton kernel's launch configs, then the wgmma kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -452,6 +453,17 @@ def resources() -> None:
         lines = [ln.split(":", 1)[-1].strip() for ln in info.splitlines() if "registers" in ln or "spill" in ln]
         print(f"BLOCK_M={bm} BLOCK_N={bn} warps={warps} stages={stages} partial={partial} fused={fused}: smem "
               f"{kernel.metadata.shared} B, wgmma {kernel.asm['ptx'].count('wgmma.mma_async')}; {'; '.join(lines)}")
+    from ddtree.kernels.mla_verify_wgmma import compile_for_sm90
+    for partial, page_size in ((False, 64), (True, 64), (False, 16)):
+        kernel = compile_for_sm90(partial, page_size)
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, "k.ptx").write_text(kernel.asm["ptx"])
+            info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.o"],
+                                  capture_output=True, text=True).stderr
+        lines = [ln.split(":", 1)[-1].strip() for ln in info.splitlines() if "registers" in ln or "spill" in ln]
+        print(f"wgmma kernel partial={partial} page_size={page_size}: smem {kernel.metadata.shared} B, wgmma "
+              f"{kernel.asm['ptx'].count('wgmma.mma_async')}, TMA {kernel.asm['ptx'].count('cp.async.bulk.tensor')}; "
+              f"{'; '.join(lines)}")
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
