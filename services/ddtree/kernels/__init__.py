@@ -1,7 +1,8 @@
-"""ddtree.kernels: GPU kernels written in Triton (the C++/CUDA ones live in csrc/ -> ddtree._C).
+"""ddtree.kernels: GPU kernels written in Triton and Gluon (the C++/CUDA ones live in csrc/ -> ddtree._C).
 
-models.mla_attention.mla_verify_attention dispatches to `mla_verify_attention_triton` on CUDA
-when `triton_verify_supported` says so. Triton is imported only when a kernel is used.
+models.mla_attention.mla_verify_attention dispatches (kernels.dispatch) to `mla_verify_attention_wgmma`
+(sm_90, >= 64 rows per request) or `mla_verify_attention_triton` on CUDA. Triton is imported only
+when a kernel is used.
 """
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import importlib
 _EXPORTS = {
     "mla_verify_attention_triton": ".mla_verify_triton",
     "launch_config": ".mla_verify_triton",
+    "mla_verify_attention_wgmma": ".mla_verify_wgmma",
+    "wgmma_config": ".mla_verify_wgmma",
+    "wgmma_verify_wanted": ".dispatch",
     "triton_verify_supported": ".dispatch",
     "check_verify_inputs": ".validate",
     "check_verify_values": ".validate",
