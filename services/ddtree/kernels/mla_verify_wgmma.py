@@ -325,12 +325,12 @@ def wgmma_verify_supported(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: 
                            rows_per_request: int) -> bool:
     """The inputs this kernel serves: sm_90, C = 512, R = 64, at least BLOCK_M rows per request
     (fewer rows stream the KV cache: the Triton kernel's split path), and a cache TMA can read as
-    one [pages * page_size, C + R] matrix: pages packed, a power-of-two page size >= 8, rows
-    16-byte aligned, fewer than 2^31 rows."""
+    one [pages * page_size, C + R] matrix: pages packed, a power-of-two page size >= 16 (16, 64 and
+    128 tested), rows 16-byte aligned, fewer than 2^31 rows."""
     pages, page_size, width = cache.shape
     return (q_latent.is_cuda and q_latent.shape[-1] == 512 and q_rope.shape[-1] == 64
             and rows_per_request >= BLOCK_M
-            and page_size >= 8 and page_size & (page_size - 1) == 0
+            and page_size >= 16 and page_size & (page_size - 1) == 0
             and cache.stride(2) == 1 and cache.stride(0) == page_size * cache.stride(1)
             and (cache.stride(1) * cache.element_size()) % 16 == 0 and cache.data_ptr() % 16 == 0
             and pages * page_size < 2**31
@@ -390,7 +390,7 @@ def mla_verify_attention_wgmma(
     b, t, heads, c, r = check_verify_inputs(q_latent, q_rope, cache, block_table, prefix_lens, mask, out, lse)
     if not wgmma_verify_supported(q_latent, q_rope, cache, t * heads):
         raise ValueError(f"the wgmma kernel needs sm_90, C 512, R 64, >= {BLOCK_M} rows per request and packed "
-                         f"pages of a power-of-two size >= 8; got {q_latent.device}, C {c}, R {r}, {t * heads} rows, "
+                         f"pages of a power-of-two size >= 16; got {q_latent.device}, C {c}, R {r}, {t * heads} rows, "
                          f"cache {tuple(cache.shape)} strides {cache.stride()}")
     if check_values:
         check_verify_values(cache, block_table, prefix_lens, t)
