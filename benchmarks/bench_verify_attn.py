@@ -217,7 +217,8 @@ def decode_row(work, gen, batch: int, nodes: int, heads: int, prefix: int) -> st
     triton_cfg = launch_config(nodes * heads, batch, kv_bound, torch.device("cuda"))
     if name == "wgmma":
         from ddtree.kernels.mla_verify_wgmma import wgmma_config
-        bn, stages, splits = wgmma_config(nodes * heads, batch, kv_bound, torch.cuda.get_device_properties(0).multi_processor_count)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        bn, stages, splits = wgmma_config(nodes * heads, batch, kv_bound, sms)
         labels = (f"wgmma/{bn}/{stages}s/x{splits}", cfg_str(triton_cfg))
     else:
         labels = (cfg_str(triton_cfg), cfg_str(triton_cfg))

@@ -414,7 +414,8 @@ def mla_verify_attention_wgmma(
     _verify_fwd_wgmma[grid](
         q_latent, q_rope, kv_desc, rope_desc, table, prefix_lens, mask64, out, lse,
         out if o_part is None else o_part, lse if lse_part is None else lse_part,
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), table.stride(0), out.stride(0), out.stride(1), lse.stride(0), rows * heads,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), table.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), rows * heads,
         t, heads, mask64.shape[-1], cache.shape[1], table.shape[1], cache.shape[0], softmax_scale * _LOG2E, splits,
         C=c, R=r, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages, PARTIAL=splits > 1, TAIL_MASK=tail_mask,
         VALUE_REGS=VALUE_REGS, num_warps=WARPS)
