@@ -141,3 +141,18 @@ def test_config_rule():
     assert wgmma_config(64, 1, 8192, 132) == (*TILE, 64)       # few row blocks: splits of 128 keys
     assert wgmma_config(512, 1, 1024, 132) == (*TILE, 8)
     assert wgmma_config(64, 1, 100, 132) == (*TILE, 1)         # too short to split
+
+
+def test_dispatcher_falls_back_when_the_wgmma_module_cannot_load(monkeypatch):
+    """A Triton without Gluon's Hopper API: the dispatcher says no instead of raising."""
+    import sys
+
+    from ddtree.kernels import dispatch
+    dispatch._wgmma_supported_fn.cache_clear()
+    monkeypatch.setitem(sys.modules, "ddtree.kernels.mla_verify_wgmma", None)  # import raises ImportError
+    try:
+        assert dispatch._wgmma_supported_fn() is None
+        q = torch.zeros(1, 1, 1)
+        assert not dispatch.wgmma_verify_wanted(q, q, q, 128)
+    finally:
+        dispatch._wgmma_supported_fn.cache_clear()

@@ -33,7 +33,18 @@ def wgmma_verify_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: tor
                         rows_per_request: int) -> bool:
     """For inputs the Triton kernel takes: True where the wgmma kernel serves them (sm_90, C 512,
     R 64, >= 64 rows per request, a TMA-readable cache) and DDTREE_VERIFY_ATTN is not `triton`."""
-    if os.environ.get("DDTREE_VERIFY_ATTN", "auto") == "triton" or rows_per_request < 64:
+    if os.environ.get("DDTREE_VERIFY_ATTN", "auto") == "triton" or rows_per_request < 64 or not q_latent.is_cuda:
         return False
-    from .mla_verify_wgmma import wgmma_verify_supported
-    return wgmma_verify_supported(q_latent, q_rope, cache, rows_per_request)
+    supported = _wgmma_supported_fn()
+    return supported is not None and supported(q_latent, q_rope, cache, rows_per_request)
+
+
+@functools.cache
+def _wgmma_supported_fn():
+    """The wgmma kernel's support check, or None when its module cannot be imported (a Triton
+    without Gluon's Hopper API): the Triton kernel then serves every shape."""
+    try:
+        from .mla_verify_wgmma import wgmma_verify_supported
+    except ImportError:
+        return None
+    return wgmma_verify_supported
