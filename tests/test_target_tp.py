@@ -1,6 +1,7 @@
 """Tensor parallel: TP=2 over two gloo processes equals TP=1 (logits within float tolerance, greedy tokens identical)."""
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -50,6 +51,7 @@ def _worker(rank: int, world: int, path: str, port: int, backend: str = "gloo") 
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world)
+    model = single = None
     try:
         torch.set_num_threads(1)
         model = TargetModel.from_pretrained(path, dtype=torch.float32, device=device,
@@ -71,6 +73,14 @@ def _worker(rank: int, world: int, path: str, port: int, backend: str = "gloo") 
             else:
                 assert torch.equal(tp_out[key], value), key
     finally:
+        # Tear the group down on both ranks together, once nothing holds it: a follower that left
+        # while rank 0 still computed, its model still holding the group, once aborted in gloo's
+        # teardown ("terminate called without an active exception", CI 2026-11-30).
+        model = single = None  # noqa: F841
+        if backend == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
+        else:
+            dist.barrier()
         dist.destroy_process_group()
 
 
