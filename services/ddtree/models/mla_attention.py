@@ -60,7 +60,8 @@ def mla_verify_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     if q_latent.is_cuda:
         from ..kernels.dispatch import triton_verify_supported, wgmma_verify_wanted
         if triton_verify_supported(q_latent, q_rope, cache):
-            if wgmma_verify_wanted(q_latent, q_rope, cache, mask.shape[1] * q_latent.shape[1]):  # rows per request
+            rows_per_request = mask.shape[1] * q_latent.shape[1] if mask.dim() == 3 and q_latent.dim() == 3 else 0
+            if wgmma_verify_wanted(q_latent, q_rope, cache, rows_per_request):  # (bad shapes: the Triton path says why)
                 from ..kernels.mla_verify_wgmma import mla_verify_attention_wgmma
                 return mla_verify_attention_wgmma(q_latent, q_rope, cache, block_table, prefix_lens, mask,
                                                   softmax_scale)
