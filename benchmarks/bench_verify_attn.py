@@ -421,6 +421,15 @@ def run_variants(args) -> None:
                   f"{flops / us / 1e6:7.1f} TFLOP/s {nbytes / us / 1e3:6.0f} GB/s{tag}", flush=True)
 
 
+def ptxas_usage(ptxas: str, ptx: str) -> list[str]:
+    """ptxas -v's register and spill lines for one kernel's PTX, assembled for sm_90a."""
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "k.ptx").write_text(ptx)
+        info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.o"],
+                              capture_output=True, text=True).stderr
+    return [ln.split(":", 1)[-1].strip() for ln in info.splitlines() if "registers" in ln or "spill" in ln]
+
+
 def resources() -> None:
     """Compile the kernels for sm_90 without a GPU and print ptxas's registers/spills per config
     (pointer and stride arguments marked 16-divisible, as Triton specializes them at launch): the
@@ -447,21 +456,13 @@ def resources() -> None:
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
         kernel = triton.compile(ASTSource(_verify_fwd, sig, const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=warps, num_stages=stages))
-        with tempfile.TemporaryDirectory() as d:
-            Path(d, "k.ptx").write_text(kernel.asm["ptx"])
-            info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.o"],
-                                  capture_output=True, text=True).stderr
-        lines = [ln.split(":", 1)[-1].strip() for ln in info.splitlines() if "registers" in ln or "spill" in ln]
+        lines = ptxas_usage(ptxas, kernel.asm["ptx"])
         print(f"BLOCK_M={bm} BLOCK_N={bn} warps={warps} stages={stages} partial={partial} fused={fused}: smem "
               f"{kernel.metadata.shared} B, wgmma {kernel.asm['ptx'].count('wgmma.mma_async')}; {'; '.join(lines)}")
     from ddtree.kernels.mla_verify_wgmma import compile_for_sm90
     for partial, page_size in ((False, 64), (True, 64), (False, 16)):
         kernel = compile_for_sm90(partial, page_size)
-        with tempfile.TemporaryDirectory() as d:
-            Path(d, "k.ptx").write_text(kernel.asm["ptx"])
-            info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.o"],
-                                  capture_output=True, text=True).stderr
-        lines = [ln.split(":", 1)[-1].strip() for ln in info.splitlines() if "registers" in ln or "spill" in ln]
+        lines = ptxas_usage(ptxas, kernel.asm["ptx"])
         print(f"wgmma kernel partial={partial} page_size={page_size}: smem {kernel.metadata.shared} B, wgmma "
               f"{kernel.asm['ptx'].count('wgmma.mma_async')}, TMA {kernel.asm['ptx'].count('cp.async.bulk.tensor')}; "
               f"{'; '.join(lines)}")
