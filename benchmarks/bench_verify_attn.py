@@ -328,14 +328,10 @@ def run_sweep(args) -> list[str]:
 
 
 def shipped_kernel(inputs) -> tuple:
-    """(kernel, name) that the model's dispatcher runs for these inputs: wgmma or triton."""
-    from ddtree.kernels import mla_verify_attention_triton
-    from ddtree.kernels.dispatch import wgmma_verify_wanted
-    q_latent, q_rope, cache, mask = inputs[0], inputs[1], inputs[2], inputs[5]
-    if wgmma_verify_wanted(q_latent, q_rope, cache, mask.shape[1] * q_latent.shape[1]):
-        from ddtree.kernels.mla_verify_wgmma import mla_verify_attention_wgmma
-        return mla_verify_attention_wgmma, "wgmma"
-    return mla_verify_attention_triton, "triton"
+    """(kernel, name) that the model's dispatcher runs for these CUDA inputs: wgmma or triton."""
+    from ddtree.kernels.dispatch import verify_kernel
+    name, kernel = verify_kernel(inputs[0], inputs[1], inputs[2], inputs[5])
+    return kernel, name
 
 
 def run_grid(args) -> list[dict]:

@@ -156,3 +156,20 @@ def test_dispatcher_falls_back_when_the_wgmma_module_cannot_load(monkeypatch):
         assert not dispatch.wgmma_verify_wanted(q, q, q, 128)
     finally:
         dispatch._wgmma_supported_fn.cache_clear()
+
+
+def test_verify_kernel_choice(monkeypatch):
+    """The dispatcher's choice without a GPU (the support checks stubbed): rows per request are
+    tail tokens x heads; wrong ranks or non-tensors go to the Triton kernel (its validation
+    explains); no Triton support: the reference (None)."""
+    from ddtree.kernels import dispatch
+    seen = []
+    monkeypatch.setattr(dispatch, "triton_verify_supported", lambda q, r, c: True)
+    monkeypatch.setattr(dispatch, "wgmma_verify_wanted", lambda q, r, c, rows: seen.append(rows) or rows >= 64)
+    q, mask = torch.zeros(2 * 9, 8, 4), torch.zeros(2, 9, 1)
+    assert dispatch.verify_kernel(q, q, q, mask)[0] == "wgmma" and seen == [72]
+    assert dispatch.verify_kernel(q[:8], q, q, torch.zeros(2, 4, 1))[0] == "triton" and seen[-1] == 32
+    assert dispatch.verify_kernel(q, q, q, torch.zeros(2, 9))[0] == "triton" and seen[-1] == 0
+    assert dispatch.verify_kernel(q, q, q, "not a tensor")[0] == "triton" and seen[-1] == 0
+    monkeypatch.setattr(dispatch, "triton_verify_supported", lambda q, r, c: False)
+    assert dispatch.verify_kernel(q, q, q, mask) is None

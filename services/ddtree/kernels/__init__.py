@@ -14,6 +14,7 @@ _EXPORTS = {
     "mla_verify_attention_wgmma": ".mla_verify_wgmma",
     "wgmma_config": ".mla_verify_wgmma",
     "wgmma_verify_wanted": ".dispatch",
+    "verify_kernel": ".dispatch",
     "triton_verify_supported": ".dispatch",
     "check_verify_inputs": ".validate",
     "check_verify_values": ".validate",

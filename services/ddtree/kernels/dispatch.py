@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -48,3 +49,19 @@ def _wgmma_supported_fn():
     except ImportError:
         return None
     return wgmma_verify_supported
+
+
+def verify_kernel(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                  mask: torch.Tensor) -> tuple[str, Callable] | None:
+    """The kernel models.mla_attention.mla_verify_attention runs for these inputs: ("wgmma", fn),
+    ("triton", fn), or None for the torch reference. Inputs of a wrong rank go to the Triton
+    kernel, whose validation says what is wrong."""
+    if not triton_verify_supported(q_latent, q_rope, cache):
+        return None
+    shaped = isinstance(mask, torch.Tensor) and mask.dim() == 3 and q_latent.dim() == 3
+    rows_per_request = mask.shape[1] * q_latent.shape[1] if shaped else 0
+    if wgmma_verify_wanted(q_latent, q_rope, cache, rows_per_request):
+        from .mla_verify_wgmma import mla_verify_attention_wgmma
+        return "wgmma", mla_verify_attention_wgmma
+    from .mla_verify_triton import mla_verify_attention_triton
+    return "triton", mla_verify_attention_triton

@@ -58,16 +58,10 @@ def mla_verify_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     """Dispatcher with the reference's contract (below): the wgmma or Triton kernel where one applies
     (kernels.dispatch)."""
     if q_latent.is_cuda:
-        from ..kernels.dispatch import triton_verify_supported, wgmma_verify_wanted
-        if triton_verify_supported(q_latent, q_rope, cache):
-            rows_per_request = mask.shape[1] * q_latent.shape[1] if mask.dim() == 3 and q_latent.dim() == 3 else 0
-            if wgmma_verify_wanted(q_latent, q_rope, cache, rows_per_request):  # (bad shapes: the Triton path says why)
-                from ..kernels.mla_verify_wgmma import mla_verify_attention_wgmma
-                return mla_verify_attention_wgmma(q_latent, q_rope, cache, block_table, prefix_lens, mask,
-                                                  softmax_scale)
-            from ..kernels.mla_verify_triton import mla_verify_attention_triton
-            return mla_verify_attention_triton(q_latent, q_rope, cache, block_table, prefix_lens, mask,
-                                               softmax_scale)
+        from ..kernels.dispatch import verify_kernel
+        chosen = verify_kernel(q_latent, q_rope, cache, mask)
+        if chosen is not None:
+            return chosen[1](q_latent, q_rope, cache, block_table, prefix_lens, mask, softmax_scale)
     return mla_verify_attention_reference(q_latent, q_rope, cache, block_table, prefix_lens, mask,
                                           softmax_scale)
 
