@@ -11,6 +11,10 @@
 #define DDTREE_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #define DDTREE_BLOCK_PATH(fallback, exact)  // the emulation counts the block kernel's paths
 #endif
+#ifndef DDTREE_PHASE  // phase timing hooks: a profiling harness defines them (clock64 per phase)
+#define DDTREE_PHASE_START()
+#define DDTREE_PHASE(i)
+#endif
 
 #include <algorithm>
 #include <climits>
@@ -230,6 +234,7 @@ __device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int 
 template <int M, typename Staged>
 __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs out) {
   DDTREE_DYNAMIC_SMEM(smem);
+  DDTREE_PHASE_START();
   const int D = in.depth, K = in.topk, N = in.max_budget;
   const int b = blockIdx.x, lane = threadIdx.x;
   const BuildShared layout(D, K, N, sizeof(Staged));
@@ -278,10 +283,13 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
   else if (__any_sync(kFullMask, unordered)) status = kNotDescending;
   if (budget < 1 || budget > N) status = kBadBudget;
 
+  DDTREE_PHASE(10);
   int n = 0;
   if (status == kOk) n = warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, lane);
   __syncwarp();
+  DDTREE_PHASE(11);
   write_outputs(in, out, b, n, status, s_parent, s_rank, s_depth, lane, kWarp);
+  DDTREE_PHASE(12);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -299,8 +307,8 @@ __global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs
 //    path), written to consecutive slots after a block scan of the counts. tau rises
 //    (histogram select) when more than 2 * budget nodes live after a level, and at the end
 //    when more than budget do.
-// 3. The live nodes are ranked by the contract's total order by counting; the first budget form
-//    the tree (node index = rank + 1).
+// 3. The live nodes are sorted by score (bitonic, 64-bit order keys), runs of equal scores put
+//    in rank-path order by counting; the first budget form the tree (node index = rank + 1).
 // 4. Verification: each tree node's generator (elder sibling, or the parent for rank 0) is in
 //    the tree and ranks before it; each offer of a tree node that is not in the tree pops after
 //    the last tree node; a tree short of budget has no such offer. Then the heap algorithm pops
@@ -313,7 +321,12 @@ constexpr int kMaxPool = 8192;           // pool slots (int16 indices)
 constexpr int kMinPool = 2048;
 constexpr int kCandidateFactor = 4;      // more than 4 * budget tied candidates: fall back
 constexpr int kTightenFactor = 2;        // after a level, tighten when > 2 * budget nodes live
-constexpr size_t kBlockSharedLimit = 227 * 1024 - 2048;  // dynamic; BlockScalars is static
+
+__host__ __device__ __forceinline__ int pow2_at_least(int x) {
+  int p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
 
 // Dynamic shared memory of one block build: 8-byte arrays first, then 4-, 2- and 1-byte ones.
 struct BlockShared {
@@ -321,7 +334,7 @@ struct BlockShared {
   size_t lp, pool_score, cand_score, offs, pool_prefix, pool_rank, pool_prod, pool_index,
       cand_slot, parent, rank, order, pool_depth, has_next, has_child, depth;
   __host__ __device__ BlockShared(int D, int K, int N, int C, size_t staged_size) {
-    const int Mc = kCandidateFactor * N;
+    const int Mc = pow2_at_least(kCandidateFactor * N > 64 ? kCandidateFactor * N : 64);  // sort padding
     size_t o = 0;
     auto take = [&o](size_t n, size_t align) {
       o = (o + align - 1) / align * align;
@@ -355,8 +368,11 @@ struct BlockScalars {
   unsigned long long key_min, key_max, key_cut;
   int total, cut_bin, cut_live, m, n;
   unsigned int abs_max;  // float bits of max |lp|
+  int lowest_bit;        // min over the log-probs of lowest_bit_exponent
+  int flags;             // 1: a value not finite, 2: a row out of order
 };
-static_assert(sizeof(BlockScalars) <= 2048, "static shared memory beyond kBlockSharedLimit's margin");
+// Dynamic shared memory a block may take: BlockScalars is static and counts against the 227 KB.
+constexpr size_t kBlockSharedLimit = 227 * 1024 - (sizeof(BlockScalars) + 15) / 16 * 16;
 
 // Doubles as unsigned keys in the same order (no NaN here).
 __device__ __forceinline__ unsigned long long order_key(double x) {
@@ -365,6 +381,27 @@ __device__ __forceinline__ unsigned long long order_key(double x) {
 }
 __device__ __forceinline__ double key_double(unsigned long long k) {
   return __longlong_as_double(static_cast<long long>((k >> 63) ? (k & 0x7fffffffffffffffull) : ~k));
+}
+
+// The exponent of the lowest set bit of a finite float (v = odd * 2^result), so v is a multiple
+// of 2^-q iff the result is >= -q; zeros, multiples of everything, get a large value.
+__device__ __forceinline__ int lowest_bit_exponent(float v) {
+  const unsigned u = __float_as_uint(v), exponent = (u >> 23) & 0xFFu, mantissa = u & 0x7FFFFFu;
+  if ((u << 1) == 0) return 1 << 20;
+  if (exponent == 0) return -149 + __ffs(static_cast<int>(mantissa)) - 1;  // subnormal
+  return static_cast<int>(exponent) - 150 + __ffs(static_cast<int>(mantissa | 0x800000u)) - 1;
+}
+
+// Warp-wide min / max of 64-bit keys, so a block's shared atomics take one update per warp.
+__device__ __forceinline__ unsigned long long warp_min(unsigned long long v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) v = min(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
+}
+__device__ __forceinline__ unsigned long long warp_max(unsigned long long v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) v = max(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
 }
 
 // Inclusive prefix sum of v over the block; *total gets the sum. Contains two __syncthreads.
@@ -398,29 +435,39 @@ __device__ __forceinline__ int bin_of(double s, double mn, double scale) {
 // live > budget) shrink to the top histogram bins holding >= budget of them; tau becomes the
 // smallest score in those bins. Leaves tau alone when all live scores are equal. Block-uniform
 // arguments; every thread returns the same tau and live.
+// The live keys' min / max run across calls (`range`): slots below `range.folded` are in them
+// already, and after a rise the live minimum is tau itself.
+struct LiveRange {
+  unsigned long long key_min = ~0ull, key_max = 0ull;
+  int folded = 1;
+};
+
 __device__ void tighten(const double* score, int count, double& tau, int& live, int budget,
-                        BlockScalars& sh) {
+                        LiveRange& range, BlockScalars& sh) {
   const int tid = threadIdx.x;
   if (tid == 0) {
-    sh.key_min = ~0ull;
-    sh.key_max = 0ull;
+    sh.key_min = range.key_min;
+    sh.key_max = range.key_max;
     sh.key_cut = ~0ull;
   }
   sh.hist[tid] = 0;
   __syncthreads();
   unsigned long long kmin = ~0ull, kmax = 0ull;
-  for (int s = 1 + tid; s < count; s += kBlock) {
+  for (int s = range.folded + tid; s < count; s += kBlock) {
     if (score[s] >= tau) {
       const unsigned long long k = order_key(score[s]);
       kmin = min(kmin, k);
       kmax = max(kmax, k);
     }
   }
-  if (kmin != ~0ull) {
+  kmin = warp_min(kmin);
+  kmax = warp_max(kmax);
+  if (tid % kWarp == 0 && kmin != ~0ull) {
     atomicMin(&sh.key_min, kmin);
     atomicMax(&sh.key_max, kmax);
   }
   __syncthreads();
+  range = {sh.key_min, sh.key_max, count};
   const double mn = key_double(sh.key_min), mx = key_double(sh.key_max);
   if (!(mx - mn > 0.0)) {
     __syncthreads();  // everyone has read the keys
@@ -443,11 +490,80 @@ __device__ void tighten(const double* score, int count, double& tau, int& live, 
   unsigned long long kcut = ~0ull;
   for (int s = 1 + tid; s < count; s += kBlock)
     if (score[s] >= tau && bin_of(score[s], mn, scale) >= cut) kcut = min(kcut, order_key(score[s]));
-  if (kcut != ~0ull) atomicMin(&sh.key_cut, kcut);
+  kcut = warp_min(kcut);
+  if (tid % kWarp == 0 && kcut != ~0ull) atomicMin(&sh.key_cut, kcut);
   __syncthreads();
   tau = key_double(sh.key_cut);
+  range.key_min = sh.key_cut;  // the smallest live score
   live = sh.cut_live;
   __syncthreads();  // everyone has read the scalars
+}
+
+// Sorts keys[0, n) ascending, slots alongside (n a power of two >= 64; all threads of the block
+// call it). A bitonic network: steps between elements of one 64-element chunk run in registers
+// (lane l holds chunk elements l and l + 32; partners by shuffle), only the wider steps go
+// through shared memory with a barrier each. Equal keys never swap.
+__device__ void chunk_steps(unsigned long long* keys, int16_t* slots, int n, int k_first, int k_last) {
+  const int lane = threadIdx.x % kWarp;
+  for (int base = 64 * (threadIdx.x / kWarp); base < n; base += 64 * (kBlock / kWarp)) {
+    unsigned long long key[2] = {keys[base + lane], keys[base + 32 + lane]};
+    int slot[2] = {slots[base + lane], slots[base + 32 + lane]};
+    for (int k = k_first; k <= k_last; k *= 2) {
+      for (int j = min(k / 2, 32); j > 0; j /= 2) {
+        if (j == 32) {  // partners in one lane (k >= 64, so both share the direction)
+          const bool up = ((base + lane) & k) == 0;
+          if ((key[0] > key[1]) == up && key[0] != key[1]) {
+            const unsigned long long t = key[0];
+            key[0] = key[1];
+            key[1] = t;
+            const int u = slot[0];
+            slot[0] = slot[1];
+            slot[1] = u;
+          }
+          continue;
+        }
+        const bool lower = (lane & j) == 0;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const bool up = ((base + 32 * h + lane) & k) == 0;
+          const unsigned long long pk = __shfl_xor_sync(kFullMask, key[h], j);
+          const int ps = __shfl_xor_sync(kFullMask, slot[h], j);
+          // Ascending: the lower position keeps the smaller key, the higher one the larger.
+          if (lower == up ? pk < key[h] : pk > key[h]) {
+            key[h] = pk;
+            slot[h] = ps;
+          }
+        }
+      }
+    }
+    keys[base + lane] = key[0];
+    keys[base + 32 + lane] = key[1];
+    slots[base + lane] = static_cast<int16_t>(slot[0]);
+    slots[base + 32 + lane] = static_cast<int16_t>(slot[1]);
+  }
+}
+
+__device__ void bitonic_sort(unsigned long long* keys, int16_t* slots, int n) {
+  chunk_steps(keys, slots, n, 2, 64);
+  __syncthreads();
+  for (int k = 128; k <= n; k *= 2) {
+    for (int j = k / 2; j >= 64; j /= 2) {
+      for (int i = threadIdx.x; i < n / 2; i += kBlock) {
+        const int a = 2 * i - (i & (j - 1)), c = a + j;  // the pair (a, a + j), bit j of a clear
+        const unsigned long long ka = keys[a], kc = keys[c];
+        if ((ka > kc) == ((a & k) == 0) && ka != kc) {
+          keys[a] = kc;
+          keys[c] = ka;
+          const int16_t t = slots[a];
+          slots[a] = slots[c];
+          slots[c] = t;
+        }
+      }
+      __syncthreads();
+    }
+    chunk_steps(keys, slots, n, k, k);
+    __syncthreads();
+  }
 }
 
 // The contract's order between pool candidates (prefix slot, rank, depth) with scores.
@@ -462,6 +578,7 @@ template <int M, typename Staged>
 __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, BuildOutputs out,
                                                              int capacity) {
   DDTREE_DYNAMIC_SMEM(smem);
+  DDTREE_PHASE_START();
   __shared__ BlockScalars sh;
   const int D = in.depth, K = in.topk, N = in.max_budget, C = capacity;
   const int b = blockIdx.x, tid = threadIdx.x;
@@ -483,11 +600,14 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
   uint8_t* has_child = reinterpret_cast<uint8_t*>(smem + layout.has_child);
   int8_t* s_depth = reinterpret_cast<int8_t*>(smem + layout.depth);
 
-  // Stage and check this request's log-probs; max |lp| for the exactness test.
+  // Stage and check this request's log-probs in one pass: non-finite values, rows out of order,
+  // max |lp| and the lowest set bit over all values (the exactness test below).
   const float* lp = in.logprobs + static_cast<long>(b) * D * K;
   const int numel = D * K;
   if (tid == 0) {
     sh.abs_max = 0u;
+    sh.lowest_bit = 1 << 20;
+    sh.flags = 0;
     s_parent[0] = -1;  // the root, for either path
     s_rank[0] = 0;
     s_depth[0] = 0;
@@ -496,38 +616,62 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
   __syncthreads();
   bool nonfinite = false, unordered = false;
   float abs_max = 0.0f;
-  for (int i = tid; i < numel; i += kBlock) {
-    const float v = __ldg(lp + i);
-    s_lp[i] = v;
+  int lowest_bit = 1 << 20;
+  auto check = [&](float v, float before, bool row_start) {
     nonfinite |= !isfinite(v);
+    unordered |= !row_start && before < v;
     abs_max = fmaxf(abs_max, fabsf(v));  // fmaxf ignores NaN; NaN is reported anyway
-  }
-  if (isfinite(abs_max)) atomicMax(&sh.abs_max, __float_as_uint(abs_max));
-  __syncthreads();
-  for (int i = tid; i < numel; i += kBlock)
-    if (i % K != 0) unordered |= static_cast<float>(s_lp[i - 1]) < static_cast<float>(s_lp[i]);
-  const int budget = in.budgets ? in.budgets[b] : N;
-  int32_t status = kOk;
-  if (__syncthreads_or(nonfinite)) status = kNonFinite;
-  else if (__syncthreads_or(unordered)) status = kNotDescending;
-  if (budget < 1 || budget > N) status = kBadBudget;
-
-  bool exact = status == kOk;
-  if (exact) {
-    const double big = static_cast<double>(__uint_as_float(sh.abs_max));
-    if (big > 0.0) {
-      int e;
-      frexp(static_cast<double>(D) * big, &e);  // D * max|lp| < 2^e
-      const int q = 53 - e;
-      bool ok = true;
-      for (int i = tid; i < numel; i += kBlock) {
-        const double t = ldexp(static_cast<double>(s_lp[i]), q);
-        ok &= t == floor(t);
-      }
-      exact = __syncthreads_and(ok);
+    lowest_bit = min(lowest_bit, lowest_bit_exponent(v));
+  };
+  if ((K & 3) == 0 && (reinterpret_cast<uintptr_t>(lp) & 15) == 0) {  // a float4 never straddles rows
+    const float4* lp4 = reinterpret_cast<const float4*>(lp);
+#pragma unroll 4
+    for (int i = tid; i < numel / 4; i += kBlock) {
+      const float4 v = __ldg(lp4 + i);
+      const bool row_start = (4 * i) % K == 0;
+      const float before = row_start ? 0.0f : __ldg(lp + 4 * i - 1);
+      s_lp[4 * i] = v.x;
+      s_lp[4 * i + 1] = v.y;
+      s_lp[4 * i + 2] = v.z;
+      s_lp[4 * i + 3] = v.w;
+      check(v.x, before, row_start);
+      check(v.y, v.x, false);
+      check(v.z, v.y, false);
+      check(v.w, v.z, false);
+    }
+  } else {
+    for (int i = tid; i < numel; i += kBlock) {
+      const float v = __ldg(lp + i);
+      const bool row_start = i % K == 0;
+      s_lp[i] = v;
+      check(v, row_start ? 0.0f : __ldg(lp + i - 1), row_start);
     }
   }
+  const unsigned abs_max_bits = static_cast<unsigned>(warp_max(__float_as_uint(abs_max)));  // >= 0: bits order
+  const int lowest = static_cast<int>(static_cast<long long>(warp_min(static_cast<unsigned long long>(lowest_bit + (1 << 21)))) - (1 << 21));
+  const bool any_nonfinite = __any_sync(kFullMask, nonfinite), any_unordered = __any_sync(kFullMask, unordered);
+  if (tid % kWarp == 0) {
+    if (isfinite(__uint_as_float(abs_max_bits))) atomicMax(&sh.abs_max, abs_max_bits);
+    atomicMin(&sh.lowest_bit, lowest);
+    if (any_nonfinite || any_unordered) atomicOr(&sh.flags, (any_nonfinite ? 1 : 0) | (any_unordered ? 2 : 0));
+  }
+  __syncthreads();
+  const int budget = in.budgets ? in.budgets[b] : N;
+  int32_t status = kOk;
+  if (sh.flags & 1) status = kNonFinite;
+  else if (sh.flags & 2) status = kNotDescending;
+  if (budget < 1 || budget > N) status = kBadBudget;
 
+  // Exact sums: every log-prob a multiple of 2^-q with D * max|lp| < 2^(53 - q).
+  bool exact = status == kOk;
+  const double big = static_cast<double>(__uint_as_float(sh.abs_max));
+  if (exact && big > 0.0) {
+    int e;
+    frexp(static_cast<double>(D) * big, &e);  // D * max|lp| < 2^e
+    exact = sh.lowest_bit >= e - 53;
+  }
+
+  DDTREE_PHASE(0);
   int n = 0;
   bool fallback = false;
   if (status == kOk) {
@@ -542,13 +686,14 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
     __syncthreads();
     double tau = -INFINITY;
     int count = 1, lo = 0, hi = 1, live = 0;
+    LiveRange range;
     for (int d = 1; d <= D; ++d) {
       const Staged* row = s_lp + (d - 1) * K;
-      // Children per live parent of the last level, a contiguous chunk of parents per thread.
+      // Children per live parent of the last level. Parents are strided over the threads (live
+      // ones cluster, so their searches spread out); the scan then takes contiguous chunks.
       const int P = hi - lo, chunk = (P + kBlock - 1) / kBlock;
       const int first = lo + min(P, tid * chunk), last = lo + min(P, (tid + 1) * chunk);
-      int mine = 0;
-      for (int p = first; p < last; ++p) {
+      for (int p = lo + tid; p < hi; p += kBlock) {
         int c = 0;
         if (p == 0 || p_score[p] >= tau) {
           const double base = p_score[p];
@@ -570,10 +715,13 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
           }
         }
         offs[p - lo] = c;
-        mine += c;
       }
+      __syncthreads();
+      int mine = 0;
+      for (int p = first; p < last; ++p) mine += offs[p - lo];
       int total;
       const int first_off = block_inclusive_scan(mine, sh, &total) - mine;
+      DDTREE_PHASE(1);
       if (count + total > C) {  // block-uniform
         fallback = true;
         break;
@@ -617,46 +765,78 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
         }
       }
       __syncthreads();  // the new level is visible; offs may be reused
+      DDTREE_PHASE(2);
       lo = count;
       hi = count + total;
       count += total;
       live += total;
-      if (live > kTightenFactor * budget) tighten(p_score, count, tau, live, budget, sh);
+      if (live > kTightenFactor * budget) {
+        tighten(p_score, count, tau, live, budget, range, sh);
+        DDTREE_PHASE(3);
+      }
     }
-    if (!fallback && live > budget) tighten(p_score, count, tau, live, budget, sh);
+    if (!fallback && live > budget) {
+      tighten(p_score, count, tau, live, budget, range, sh);
+      DDTREE_PHASE(3);
+    }
     if (!fallback && live > kCandidateFactor * budget) fallback = true;
 
     if (!fallback) {
       // Candidates: the live slots. Clear the pool's marks.
       if (tid == 0) sh.m = 0;
       __syncthreads();
-      for (int s = tid; s < count; s += kBlock) {
-        p_index[s] = s == 0 ? 0 : -1;
-        has_next[s] = 0;
-        has_child[s] = 0;
-        if (s > 0 && p_score[s] >= tau) {
-          const int at = atomicAdd(&sh.m, 1);
-          if (at < kCandidateFactor * budget) {  // == live <= 4 * budget: always, kept safe
-            c_slot[at] = static_cast<int16_t>(s);
-            c_score[at] = p_score[s];
-          }
+      for (int s0 = tid - tid % kWarp; s0 < count; s0 += kBlock) {  // warp-uniform trips
+        const int s = s0 + tid % kWarp;
+        const bool is_live = s > 0 && s < count && p_score[s] >= tau;
+        if (s < count) {
+          p_index[s] = s == 0 ? 0 : -1;
+          has_next[s] = 0;
+          has_child[s] = 0;
+        }
+        // One atomic per warp: lane l of the live ones takes base + (live lanes below l).
+        const unsigned live_lanes = __ballot_sync(kFullMask, is_live);
+        int base = 0;
+        if (tid % kWarp == 0 && live_lanes) base = atomicAdd(&sh.m, __popc(live_lanes));
+        base = __shfl_sync(kFullMask, base, 0);
+        const int at = base + __popc(live_lanes & ((1u << (tid % kWarp)) - 1u));
+        if (is_live && at < kCandidateFactor * budget) {  // == live <= 4 * budget: always, kept safe
+          c_slot[at] = static_cast<int16_t>(s);
+          c_score[at] = p_score[s];
         }
       }
       __syncthreads();
       const int m = min(sh.m, kCandidateFactor * budget);  // sh.m == live
+      DDTREE_PHASE(4);
       n = min(m, budget);
-      // Rank by counting; the first `budget` become nodes 1..n.
+      // Rank: a bitonic sort of the candidates by score (keys ascending = scores descending,
+      // padded to a power of two), then runs of exactly equal scores put in rank-path order by
+      // counting within the run. The first `budget` become nodes 1..n.
+      unsigned long long* c_key = reinterpret_cast<unsigned long long*>(c_score);  // in place
+      const int P2 = max(64, pow2_at_least(m));
+      for (int i = tid; i < P2; i += kBlock) {
+        // +0.0 folds -0.0 into 0.0: they compare equal, so they must tie here too.
+        c_key[i] = i < m ? ~order_key(c_score[i] + 0.0) : ~0ull;
+        if (i >= m) c_slot[i] = -1;
+      }
+      __syncthreads();
+      bitonic_sort(c_key, c_slot, P2);
       for (int i = tid; i < m; i += kBlock) {
+        const unsigned long long ki = c_key[i];
         const int s = c_slot[i];
-        const double si = c_score[i];
-        const int pi = p_prefix[s], ri = p_rank[s], di = p_depth[s];
-        int r = 0;
-        for (int j = 0; j < m; ++j) {
-          const double sj = c_score[j];
-          if (sj > si) ++r;
-          else if (sj == si && j != i) {
-            const int t = c_slot[j];
-            r += rank_path_less(p_prefix[t], p_rank[t], p_depth[t], pi, ri, di, p_prefix, p_rank);
+        int r = i;
+        if ((i > 0 && c_key[i - 1] == ki) || (i + 1 < m && c_key[i + 1] == ki)) {
+          int first = i, end = i + 1;
+          while (first > 0 && c_key[first - 1] == ki) --first;
+          while (end < m && c_key[end] == ki) ++end;
+          r = first;
+          if (first < budget) {
+            const int pi = p_prefix[s], ri = p_rank[s], di = p_depth[s];
+            for (int j = first; j < end; ++j) {
+              const int t = c_slot[j];
+              if (t != s) r += rank_path_less(p_prefix[t], p_rank[t], p_depth[t], pi, ri, di, p_prefix, p_rank);
+            }
+          } else {
+            r = budget;  // the whole run ranks after the tree
           }
         }
         if (r < budget) {
@@ -665,6 +845,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
         }
       }
       __syncthreads();
+      DDTREE_PHASE(5);
       // Verification, part 1: generators in the tree and before; the tree's node arrays.
       bool bad = n < 1;  // never on exact inputs (level 1 always adds (0)); kept safe
       for (int i = 1 + tid; i <= n; i += kBlock) {
@@ -702,6 +883,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
         }
       }
       fallback = __syncthreads_or(bad);
+      DDTREE_PHASE(6);
     }
   }
 
@@ -713,8 +895,10 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
     }
     __syncthreads();
     n = sh.n;
+    DDTREE_PHASE(7);
   }
   write_outputs(in, out, b, n, status, s_parent, s_rank, s_depth, tid, kBlock);
+  DDTREE_PHASE(8);
 }
 
 // Block build: pool capacity (slots) for this launch, or 0 when the block kernel does not fit.

@@ -164,9 +164,14 @@ inline T __shfl_up_sync(unsigned, T v, unsigned delta) {
   const T r = emu::shfl(v, lane - static_cast<int>(delta));
   return lane >= static_cast<int>(delta) ? r : v;
 }
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
+  return emu::shfl(v, (emu::tid % emu::kWarpSize) ^ lane_mask);
+}
 inline unsigned __ballot_sync(unsigned, bool p) { return emu::ballot(p); }
 inline bool __any_sync(unsigned, bool p) { return emu::ballot(p) != 0; }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __ffs(int v) { return __builtin_ffs(v); }
 inline long long __double_as_longlong(double x) { return emu::from_bits<long long>(emu::to_bits(x)); }
 inline double __longlong_as_double(long long x) { return emu::from_bits<double>(emu::to_bits(x)); }
 inline unsigned __float_as_uint(float x) { return emu::from_bits<unsigned>(emu::to_bits(x)); }
@@ -175,10 +180,10 @@ inline int atomicAdd(int* p, int v) { return emu::atomic_add(p, v); }
 inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v) { return emu::atomic_min(p, v); }
 inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v) { return emu::atomic_max(p, v); }
 inline unsigned atomicMax(unsigned* p, unsigned v) { return emu::atomic_max(p, v); }
-using std::floor;
+inline int atomicMin(int* p, int v) { return emu::atomic_min(p, v); }
+inline int atomicOr(int* p, int v) { return std::atomic_ref<int>(*p).fetch_or(v); }
 using std::frexp;
 using std::isfinite;
-using std::ldexp;
 using std::max;
 using std::min;
 
