@@ -84,10 +84,11 @@ def _launch_cuda(kernel, args, device: torch.device) -> None:
 
 
 CUDA_KERNELS = ("auto", "block", "warp")
-# H200, D 16, K = budget, batch 64, kernel time (µs) block / warp (kernels.txt, 21:31 run):
-# 16: 14.3 / 5.4, 32: 18.9 / 8.9, 64: 32.5 / 17.3, 128: 40.7 / 47.4, 256: 79.0 / 141, 384: 117 / 300,
-# 512: 177 / 505 at batch 64 but 1025 / 505 at batch 128, 1024: 2402 / 1972 (the block kernel's
-# pool overflows from ~512 and it falls back). Hence block for 128..384 only.
+# H200, D 16, K = budget, batch 64, kernel time (µs) block / warp (kernels.txt, 2026-11-30 04:03):
+# 16: 15.4 / 5.4, 32: 17.6 / 8.9, 64: 29.4 / 17.3, 128: 33.3 / 47.4, 256: 46.6 / 141, 384: 60.0 / 300,
+# 512: 71.9 / 505, 1024: 2204 / 1971. Block for 128..384 only: at 512 the block kernel's pool fits
+# the benchmark's rows by ~70 slots and peaked rows overflow it (then it falls back to the warp
+# loop, slower than the warp kernel alone); docs/tree.md has the pool model's numbers.
 BLOCK_KERNEL_BUDGETS = range(128, 385)
 
 
