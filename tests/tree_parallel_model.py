@@ -17,9 +17,10 @@ Otherwise the pool replays the contract's sibling chain (score - lp[r] + lp[r+1]
    parent are a prefix of its row, written to consecutive slots.
 2. Threshold. tau starts at -inf; when more than 2 * budget pool nodes are live after a level
    (and once at the end, when more than budget are), tau rises to the smallest score among the histogram
-   bins (256 over [min, max] of live scores) that hold the top >= budget live nodes.
-3. Selection. The live nodes are ranked by the contract's total order (score, then rank path)
-   by counting; the first `budget` are the tree, node index = rank + 1.
+   bins that hold the top >= budget live nodes. The bins (256) are laid over [min, max] of the
+   live scores at the first rise and stay; later nodes are added to them as they are written.
+3. Selection. The live nodes are put in the contract's total order (score, then rank path; the
+   kernel sorts); the first `budget` are the tree, node index = rank + 1.
 4. Verification (a proof that the heap algorithm pops exactly these nodes in this order): every
    node's generator (elder sibling, or the parent for rank 0) is in the tree and ranks before it;
    every offer of a tree node (next sibling, first child) that is not in the tree pops after the
@@ -73,28 +74,46 @@ def _rank_path_less(pa, ra, da, pb, rb, db, parent, rank) -> bool:
     return a_rank < b_rank
 
 
-def _tighten(score, live_slots, budget):
-    """Returns (tau, live slots >= tau): the smallest score of the top bins holding >= budget."""
-    scores = [score[s] for s in live_slots]
-    mn, mx = min(scores), max(scores)
-    if not mx - mn > 0.0:
-        return None
-    scale = BINS / (mx - mn)
+class _Grid:
+    """The threshold's histogram: BINS bins over [min, max] of the live scores at the first rise,
+    fixed from then on; later pool nodes are added as they are written."""
 
-    def bin_of(s):
-        t = (s - mn) * scale
+    def __init__(self, scores):
+        self.mn = min(scores)
+        self.scale = BINS / (max(scores) - self.mn)
+        self.hist = [0] * BINS
+        self.bin_min = [math.inf] * BINS
+        for s in scores:
+            self.add(s)
+
+    def bin_of(self, s):
+        t = (s - self.mn) * self.scale
         return BINS - 1 if t >= BINS else (int(t) if t > 0.0 else 0)
 
-    hist = [0] * BINS
-    for s in scores:
-        hist[bin_of(s)] += 1
-    suffix, k = 0, BINS - 1
-    for k in range(BINS - 1, -1, -1):
-        suffix += hist[k]
-        if suffix >= budget:
-            break
-    tau = min(s for s in scores if bin_of(s) >= k)
-    return tau, [s for s in live_slots if score[s] >= tau]
+    def add(self, s):
+        k = self.bin_of(s)
+        self.hist[k] += 1
+        self.bin_min[k] = min(self.bin_min[k], s)
+
+    def rise(self, budget):
+        """(tau, live): the top bins holding >= budget nodes, tau the smallest score in them."""
+        suffix = 0
+        for k in range(BINS - 1, -1, -1):
+            suffix += self.hist[k]
+            if suffix >= budget:
+                return self.bin_min[k], suffix
+        raise AssertionError("a rise needs more than budget live nodes")
+
+
+def _rise(score, live_slots, budget, grid):
+    """Returns (tau, live slots >= tau, grid), or None when all live scores are equal (no grid)."""
+    if grid is None:
+        scores = [score[s] for s in live_slots]
+        if not max(scores) - min(scores) > 0.0:
+            return None
+        grid = _Grid(scores)
+    tau, _ = grid.rise(budget)
+    return tau, [s for s in live_slots if score[s] >= tau], grid
 
 
 def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, product_bound: int | None = None):
@@ -109,6 +128,7 @@ def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, produc
     # Pool slot 0 is the root.
     score, prefix, rank, depth, prod = [0.0], [-1], [0], [0], [1]
     tau = -math.inf
+    grid = None
     live: list[int] = []
     lo, hi = 0, 1
     for d in range(1, depth_limit + 1):
@@ -136,6 +156,8 @@ def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, produc
         lo = len(score)
         for p, kids in zip(parents, children):
             for j, sc in enumerate(kids):
+                if grid is not None:
+                    grid.add(sc)
                 score.append(sc)
                 prefix.append(p)
                 rank.append(j)
@@ -146,13 +168,13 @@ def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, produc
         if total == 0:
             break
         if len(live) > TIGHTEN_FACTOR * budget:
-            t = _tighten(score, live, budget)
+            t = _rise(score, live, budget, grid)
             if t is not None:
-                tau, live = t
+                tau, live, grid = t
     if len(live) > budget:
-        t = _tighten(score, live, budget)
+        t = _rise(score, live, budget, grid)
         if t is not None:
-            tau, live = t
+            tau, live, grid = t
     m = len(live)
     if m > CANDIDATE_FACTOR * budget:
         return fallback("candidates")

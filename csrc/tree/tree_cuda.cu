@@ -320,7 +320,7 @@ constexpr int kBins = kBlock;            // histogram bins of one threshold step
 constexpr int kMaxPool = 8192;           // pool slots (int16 indices)
 constexpr int kMinPool = 2048;
 constexpr int kCandidateFactor = 4;      // more than 4 * budget tied candidates: fall back
-constexpr int kTightenFactor = 2;        // after a level, tighten when > 2 * budget nodes live
+constexpr int kTightenFactor = 2;        // after a level, tau rises when > 2 * budget nodes live
 
 __host__ __device__ __forceinline__ int pow2_at_least(int x) {
   int p = 1;
@@ -365,7 +365,8 @@ struct BlockShared {
 struct BlockScalars {
   int warp_sums[kBlock / kWarp];
   int hist[kBins];
-  unsigned long long key_min, key_max, key_cut;
+  unsigned long long bin_min[kBins];
+  unsigned long long key_min, key_max;
   int total, cut_bin, cut_live, m, n;
   unsigned int abs_max;  // float bits of max |lp|
   int lowest_bit;        // min over the log-probs of lowest_bit_exponent
@@ -431,54 +432,28 @@ __device__ __forceinline__ int bin_of(double s, double mn, double scale) {
   return t >= kBins ? kBins - 1 : (t > 0.0 ? static_cast<int>(t) : 0);
 }
 
-// Raises tau so that the live nodes (pool slots 1..count-1 with score >= tau, `live` of them,
-// live > budget) shrink to the top histogram bins holding >= budget of them; tau becomes the
-// smallest score in those bins. Leaves tau alone when all live scores are equal. Block-uniform
-// arguments; every thread returns the same tau and live.
-// The live keys' min / max run across calls (`range`): slots below `range.folded` are in them
-// already, and after a rise the live minimum is tau itself.
-struct LiveRange {
-  unsigned long long key_min = ~0ull, key_max = 0ull;
-  int folded = 1;
+// Threshold rises. The first one lays a grid of kBins bins over [min, max] of the live scores
+// and fills hist / bin_min (count and smallest key per bin) from the pool; the grid then stays,
+// every later pool node is added to its bin as it is written, and a later rise is a scan of the
+// bins alone. A rise keeps the top bins holding >= budget live nodes: tau becomes the smallest
+// score in them, and the bins below hold only dead nodes from then on (the scans never reach
+// them again: the cut only moves up). Scores above the grid (positive log-probs) land in the
+// top bin. Block-uniform arguments; every thread returns the same tau, live and grid.
+struct Grid {
+  double mn = 0.0, scale = 0.0;
+  bool on = false;
 };
 
-__device__ void tighten(const double* score, int count, double& tau, int& live, int budget,
-                        LiveRange& range, BlockScalars& sh) {
+__device__ __forceinline__ void add_to_grid(const Grid& grid, double s, BlockScalars& sh) {
+  const int bin = bin_of(s, grid.mn, grid.scale);
+  atomicAdd(&sh.hist[bin], 1);
+  atomicMin(&sh.bin_min[bin], order_key(s));
+}
+
+// tau and live from the bins: the cut is the bin where the suffix count reaches budget.
+__device__ void rise_from_grid(double& tau, int& live, int budget, BlockScalars& sh) {
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    sh.key_min = range.key_min;
-    sh.key_max = range.key_max;
-    sh.key_cut = ~0ull;
-  }
-  sh.hist[tid] = 0;
-  __syncthreads();
-  unsigned long long kmin = ~0ull, kmax = 0ull;
-  for (int s = range.folded + tid; s < count; s += kBlock) {
-    if (score[s] >= tau) {
-      const unsigned long long k = order_key(score[s]);
-      kmin = min(kmin, k);
-      kmax = max(kmax, k);
-    }
-  }
-  kmin = warp_min(kmin);
-  kmax = warp_max(kmax);
-  if (tid % kWarp == 0 && kmin != ~0ull) {
-    atomicMin(&sh.key_min, kmin);
-    atomicMax(&sh.key_max, kmax);
-  }
-  __syncthreads();
-  range = {sh.key_min, sh.key_max, count};
-  const double mn = key_double(sh.key_min), mx = key_double(sh.key_max);
-  if (!(mx - mn > 0.0)) {
-    __syncthreads();  // everyone has read the keys
-    return;
-  }
-  const double scale = kBins / (mx - mn);
-  for (int s = 1 + tid; s < count; s += kBlock)
-    if (score[s] >= tau) atomicAdd(&sh.hist[bin_of(score[s], mn, scale)], 1);
-  __syncthreads();
-  // Suffix sums of the histogram: thread t scans bin kBins - 1 - t.
-  const int h = sh.hist[kBins - 1 - tid];
+  const int h = sh.hist[kBins - 1 - tid];  // thread t scans bin kBins - 1 - t
   int unused;
   const int suffix = block_inclusive_scan(h, sh, &unused);
   if (suffix >= budget && suffix - h < budget) {  // exactly one thread: the cut bin
@@ -486,17 +461,49 @@ __device__ void tighten(const double* score, int count, double& tau, int& live, 
     sh.cut_live = suffix;
   }
   __syncthreads();
-  const int cut = sh.cut_bin;
-  unsigned long long kcut = ~0ull;
-  for (int s = 1 + tid; s < count; s += kBlock)
-    if (score[s] >= tau && bin_of(score[s], mn, scale) >= cut) kcut = min(kcut, order_key(score[s]));
-  kcut = warp_min(kcut);
-  if (tid % kWarp == 0 && kcut != ~0ull) atomicMin(&sh.key_cut, kcut);
-  __syncthreads();
-  tau = key_double(sh.key_cut);
-  range.key_min = sh.key_cut;  // the smallest live score
+  tau = key_double(sh.bin_min[sh.cut_bin]);
   live = sh.cut_live;
   __syncthreads();  // everyone has read the scalars
+}
+
+// A rise with live > budget (pool slots 1..count-1 with score >= tau). Without a grid yet, lays
+// it (one pass for min / max, one to fill the bins); leaves tau alone when all live scores are
+// equal (no grid then).
+__device__ void rise(const double* score, int count, double& tau, int& live, int budget, Grid& grid,
+                     BlockScalars& sh) {
+  const int tid = threadIdx.x;
+  if (!grid.on) {
+    if (tid == 0) {
+      sh.key_min = ~0ull;
+      sh.key_max = 0ull;
+    }
+    sh.hist[tid] = 0;
+    sh.bin_min[tid] = ~0ull;
+    __syncthreads();
+    unsigned long long kmin = ~0ull, kmax = 0ull;
+    for (int s = 1 + tid; s < count; s += kBlock) {
+      if (score[s] >= tau) {
+        const unsigned long long k = order_key(score[s]);
+        kmin = min(kmin, k);
+        kmax = max(kmax, k);
+      }
+    }
+    kmin = warp_min(kmin);
+    kmax = warp_max(kmax);
+    if (tid % kWarp == 0 && kmin != ~0ull) {
+      atomicMin(&sh.key_min, kmin);
+      atomicMax(&sh.key_max, kmax);
+    }
+    __syncthreads();
+    const double mn = key_double(sh.key_min), mx = key_double(sh.key_max);
+    __syncthreads();  // everyone has read the keys
+    if (!(mx - mn > 0.0)) return;
+    grid = {mn, kBins / (mx - mn), true};
+    for (int s = 1 + tid; s < count; s += kBlock)
+      if (score[s] >= tau) add_to_grid(grid, score[s], sh);
+    __syncthreads();
+  }
+  rise_from_grid(tau, live, budget, sh);
 }
 
 // Sorts keys[0, n) ascending, slots alongside (n a power of two >= 64; all threads of the block
@@ -686,7 +693,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
     __syncthreads();
     double tau = -INFINITY;
     int count = 1, lo = 0, hi = 1, live = 0;
-    LiveRange range;
+    Grid grid;
     for (int d = 1; d <= D; ++d) {
       const Staged* row = s_lp + (d - 1) * K;
       // Children per live parent of the last level. Parents are strided over the threads (live
@@ -743,7 +750,9 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
             else z = mid - 1;
           }
           const int p = lo + a, j = i - offs[a], slot = count + i;
-          p_score[slot] = p_score[p] + static_cast<double>(row[j]);
+          const double sc = p_score[p] + static_cast<double>(row[j]);
+          p_score[slot] = sc;
+          if (grid.on) add_to_grid(grid, sc, sh);
           p_prefix[slot] = static_cast<int16_t>(p);
           p_rank[slot] = static_cast<int16_t>(j);
           p_prod[slot] = static_cast<int16_t>((j + 1) * p_prod[p]);
@@ -757,6 +766,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
           for (int j = 0; j < c; ++j, ++slot) {
             if (j > 0) sc = (sc - static_cast<double>(row[j - 1])) + static_cast<double>(row[j]);
             p_score[slot] = sc;
+            if (grid.on) add_to_grid(grid, sc, sh);
             p_prefix[slot] = static_cast<int16_t>(p);
             p_rank[slot] = static_cast<int16_t>(j);
             p_prod[slot] = static_cast<int16_t>((j + 1) * p_prod[p]);
@@ -771,12 +781,12 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       count += total;
       live += total;
       if (live > kTightenFactor * budget) {
-        tighten(p_score, count, tau, live, budget, range, sh);
+        rise(p_score, count, tau, live, budget, grid, sh);
         DDTREE_PHASE(3);
       }
     }
     if (!fallback && live > budget) {
-      tighten(p_score, count, tau, live, budget, range, sh);
+      rise(p_score, count, tau, live, budget, grid, sh);
       DDTREE_PHASE(3);
     }
     if (!fallback && live > kCandidateFactor * budget) fallback = true;
