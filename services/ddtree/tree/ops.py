@@ -84,11 +84,11 @@ def _launch_cuda(kernel, args, device: torch.device) -> None:
 
 
 CUDA_KERNELS = ("auto", "block", "warp")
-# H200, D 16, K = budget, batch 64, kernel time (µs) block / warp (kernels.txt, 2026-11-30 04:03):
-# 16: 15.4 / 5.4, 32: 17.6 / 8.9, 64: 29.4 / 17.3, 128: 33.3 / 47.4, 256: 46.6 / 141, 384: 60.0 / 300,
-# 512: 71.9 / 505, 1024: 2204 / 1971. Block for 128..384 only: at 512 the block kernel's pool fits
-# the benchmark's rows by ~70 slots and peaked rows overflow it (then it falls back to the warp
-# loop, slower than the warp kernel alone); docs/tree.md has the pool model's numbers.
+# H200, D 16, K = budget, batch 64, kernel time (µs) block / warp (kernels.txt, 2026-11-30 04:13):
+# 16: 14.7 / 5.4, 32: 16.5 / 9.0, 64: 26.6 / 17.3, 128: 29.9 / 47.4, 256: 41.3 / 141, 384: 50.9 / 300,
+# 512: 63.2 / 505 (900 / 505 at batch 128), 1024: 2200 / 1972. Block for 128..384 only: from
+# ~512 the block kernel's pool barely fits drafter-like rows, and a request that overflows it
+# falls back to the warp loop and sets the batch's time; docs/tree.md has the pool model.
 BLOCK_KERNEL_BUDGETS = range(128, 385)
 
 
