@@ -19,6 +19,9 @@ Otherwise the pool replays the contract's sibling chain (score - lp[r] + lp[r+1]
    (and once at the end, when more than budget are), tau rises to the smallest score among the histogram
    bins that hold the top >= budget live nodes. The bins (256) are laid over [min, max] of the
    live scores at the first rise and stay; later nodes are added to them as they are written.
+   When the pool is over half full, a level whose children would cause a rise takes it before
+   they are written: they join the bins, and only those above the new tau are written (dead
+   children take no pool slots, which are never reclaimed).
 3. Selection. The live nodes are put in the contract's total order (score, then rank path; the
    kernel sorts); the first `budget` are the tree, node index = rank + 1.
 4. Verification (a proof that the heap algorithm pops exactly these nodes in this order): every
@@ -133,30 +136,57 @@ def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, produc
     lo, hi = 0, 1
     for d in range(1, depth_limit + 1):
         row = lp[d - 1]
-        parents = [p for p in range(lo, hi) if p == 0 or score[p] >= tau]
-        children = []  # per parent: the scores of its children in the pool
-        for p in parents:
-            base = score[p]
-            limit = min(topk, bound // prod[p])
-            kids = []
-            if exact:  # binary search in the kernel: the first j with base + row[j] < tau
-                while len(kids) < limit and base + row[len(kids)] >= tau:
-                    kids.append(base + row[len(kids)])
-            else:  # the contract's sibling chain, up to the first score below tau
-                sc = base + row[0]
-                while len(kids) < limit and sc >= tau:
-                    kids.append(sc)
-                    c = len(kids)
-                    if c < limit:
-                        sc = (sc - row[c - 1]) + row[c]
-            children.append(kids)
-        total = sum(len(kids) for kids in children)
+
+        def children_above(tau):
+            """Per live parent of the last level: the scores of its children that go in the pool."""
+            out = []
+            for p in range(lo, hi):
+                if not (p == 0 or score[p] >= tau):
+                    continue
+                base = score[p]
+                limit = min(topk, bound // prod[p])
+                kids = []
+                if exact:  # binary search in the kernel: the first j with base + row[j] < tau
+                    while len(kids) < limit and base + row[len(kids)] >= tau:
+                        kids.append(base + row[len(kids)])
+                else:  # the contract's sibling chain, up to the first score below tau
+                    sc = base + row[0]
+                    while len(kids) < limit and sc >= tau:
+                        kids.append(sc)
+                        c = len(kids)
+                        if c < limit:
+                            sc = (sc - row[c - 1]) + row[c]
+                out.append((p, kids))
+            return out
+
+        children = children_above(tau)
+        total = sum(len(kids) for _, kids in children)
+        # When the pool is tight, the rise these children would cause once written is taken
+        # before they take pool slots; otherwise it follows their writing.
+        risen = False
+        if total and len(live) + total > TIGHTEN_FACTOR * budget and len(score) + total > capacity // 2:
+            kid_scores = [sc for _, kids in children for sc in kids]
+            if grid is None:
+                scores = [score[s] for s in live] + kid_scores
+                if max(scores) - min(scores) > 0.0:
+                    grid = _Grid(scores)
+            else:
+                for sc in kid_scores:
+                    grid.add(sc)
+            if grid is not None:
+                tau, _ = grid.rise(budget)
+                live = [s for s in live if score[s] >= tau]
+                children = children_above(tau)
+                total = sum(len(kids) for _, kids in children)
+                risen = True
         if len(score) + total > capacity:
             return fallback("overflow")
+        if total == 0:
+            break
         lo = len(score)
-        for p, kids in zip(parents, children):
+        for p, kids in children:
             for j, sc in enumerate(kids):
-                if grid is not None:
+                if grid is not None and not risen:
                     grid.add(sc)
                 score.append(sc)
                 prefix.append(p)
@@ -165,9 +195,7 @@ def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, produc
                 prod.append((j + 1) * prod[p])
         hi = len(score)
         live.extend(range(lo, hi))
-        if total == 0:
-            break
-        if len(live) > TIGHTEN_FACTOR * budget:
+        if not risen and len(live) > TIGHTEN_FACTOR * budget:
             t = _rise(score, live, budget, grid)
             if t is not None:
                 tau, live, grid = t

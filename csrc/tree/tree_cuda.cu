@@ -466,44 +466,49 @@ __device__ void rise_from_grid(double& tau, int& live, int budget, BlockScalars&
   __syncthreads();  // everyone has read the scalars
 }
 
-// A rise with live > budget (pool slots 1..count-1 with score >= tau). Without a grid yet, lays
-// it (one pass for min / max, one to fill the bins); leaves tau alone when all live scores are
-// equal (no grid then).
+// Lays the grid over [min, max] of the scores `for_each_score(fn)` calls fn with (every thread
+// its share) and adds them to it. False, and no grid, when they are all equal.
+template <typename ForEachScore>
+__device__ bool lay_grid(ForEachScore for_each_score, Grid& grid, BlockScalars& sh) {
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    sh.key_min = ~0ull;
+    sh.key_max = 0ull;
+  }
+  sh.hist[tid] = 0;
+  sh.bin_min[tid] = ~0ull;
+  __syncthreads();
+  unsigned long long kmin = ~0ull, kmax = 0ull;
+  for_each_score([&](double s) {
+    const unsigned long long k = order_key(s);
+    kmin = min(kmin, k);
+    kmax = max(kmax, k);
+  });
+  kmin = warp_min(kmin);
+  kmax = warp_max(kmax);
+  if (tid % kWarp == 0 && kmin != ~0ull) {
+    atomicMin(&sh.key_min, kmin);
+    atomicMax(&sh.key_max, kmax);
+  }
+  __syncthreads();
+  const double mn = key_double(sh.key_min), mx = key_double(sh.key_max);
+  __syncthreads();  // everyone has read the keys
+  if (!(mx - mn > 0.0)) return false;
+  grid = {mn, kBins / (mx - mn), true};
+  for_each_score([&](double s) { add_to_grid(grid, s, sh); });
+  __syncthreads();
+  return true;
+}
+
+// A rise with live > budget (pool slots 1..count-1 with score >= tau), laying the grid over them
+// first if there is none; leaves tau alone when all live scores are equal.
 __device__ void rise(const double* score, int count, double& tau, int& live, int budget, Grid& grid,
                      BlockScalars& sh) {
-  const int tid = threadIdx.x;
-  if (!grid.on) {
-    if (tid == 0) {
-      sh.key_min = ~0ull;
-      sh.key_max = 0ull;
-    }
-    sh.hist[tid] = 0;
-    sh.bin_min[tid] = ~0ull;
-    __syncthreads();
-    unsigned long long kmin = ~0ull, kmax = 0ull;
-    for (int s = 1 + tid; s < count; s += kBlock) {
-      if (score[s] >= tau) {
-        const unsigned long long k = order_key(score[s]);
-        kmin = min(kmin, k);
-        kmax = max(kmax, k);
-      }
-    }
-    kmin = warp_min(kmin);
-    kmax = warp_max(kmax);
-    if (tid % kWarp == 0 && kmin != ~0ull) {
-      atomicMin(&sh.key_min, kmin);
-      atomicMax(&sh.key_max, kmax);
-    }
-    __syncthreads();
-    const double mn = key_double(sh.key_min), mx = key_double(sh.key_max);
-    __syncthreads();  // everyone has read the keys
-    if (!(mx - mn > 0.0)) return;
-    grid = {mn, kBins / (mx - mn), true};
-    for (int s = 1 + tid; s < count; s += kBlock)
-      if (score[s] >= tau) add_to_grid(grid, score[s], sh);
-    __syncthreads();
-  }
-  rise_from_grid(tau, live, budget, sh);
+  auto live_scores = [&](auto fn) {
+    for (int s = 1 + threadIdx.x; s < count; s += kBlock)
+      if (score[s] >= tau) fn(score[s]);
+  };
+  if (grid.on || lay_grid(live_scores, grid, sh)) rise_from_grid(tau, live, budget, sh);
 }
 
 // Sorts keys[0, n) ascending, slots alongside (n a power of two >= 64; all threads of the block
@@ -694,95 +699,146 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
     double tau = -INFINITY;
     int count = 1, lo = 0, hi = 1, live = 0;
     Grid grid;
-    for (int d = 1; d <= D; ++d) {
-      const Staged* row = s_lp + (d - 1) * K;
-      // Children per live parent of the last level. Parents are strided over the threads (live
-      // ones cluster, so their searches spread out); the scan then takes contiguous chunks.
-      const int P = hi - lo, chunk = (P + kBlock - 1) / kBlock;
-      const int first = lo + min(P, tid * chunk), last = lo + min(P, (tid + 1) * chunk);
-      for (int p = lo + tid; p < hi; p += kBlock) {
-        int c = 0;
-        if (p == 0 || p_score[p] >= tau) {
-          const double base = p_score[p];
-          const int limit = min(K, budget / p_prod[p]);
-          if (exact) {  // children j < c: base + row[j] >= tau, a prefix (rows descend)
-            int a = 0, z = limit;
-            while (a < z) {
-              const int mid = (a + z) / 2;
-              if (base + static_cast<double>(row[mid]) >= tau) a = mid + 1;
-              else z = mid;
-            }
-            c = a;
-          } else {  // the contract's sibling chain, up to the first score below tau
-            double sc = base + static_cast<double>(row[0]);
-            while (c < limit && sc >= tau) {
-              ++c;
-              if (c < limit) sc = (sc - static_cast<double>(row[c - 1])) + static_cast<double>(row[c]);
-            }
-          }
-        }
-        offs[p - lo] = c;
+    int first_level = 1;
+    if (exact) {  // level 1 needs no counts or scan: the root's children are ranks 0..c-1
+      const int c = min(K, budget);  // tau is -inf and prod(root) = 1; C >= kMinPool > c
+      for (int j = tid; j < c; j += kBlock) {
+        p_score[1 + j] = 0.0 + static_cast<double>(s_lp[j]);  // the general path's operation
+        p_prefix[1 + j] = 0;
+        p_rank[1 + j] = static_cast<int16_t>(j);
+        p_prod[1 + j] = static_cast<int16_t>(j + 1);
+        p_depth[1 + j] = 1;
       }
       __syncthreads();
-      int mine = 0;
-      for (int p = first; p < last; ++p) mine += offs[p - lo];
-      int total;
-      const int first_off = block_inclusive_scan(mine, sh, &total) - mine;
-      DDTREE_PHASE(1);
-      if (count + total > C) {  // block-uniform
-        fallback = true;
-        break;
-      }
-      if (total == 0) break;
-      if (exact) {  // one thread per child: its parent by binary search over the offsets
-        int off = first_off;
+      lo = 1;
+      hi = count = 1 + c;
+      live = c;  // <= budget: no rise yet
+      first_level = 2;
+    }
+    for (int d = first_level; d <= D; ++d) {
+      const Staged* row = s_lp + (d - 1) * K;
+      const int P = hi - lo, chunk = (P + kBlock - 1) / kBlock;
+      const int first = lo + min(P, tid * chunk), last = lo + min(P, (tid + 1) * chunk);
+      // Children per live parent of the last level (offs[p - lo]). Parents are strided over the
+      // threads: live ones cluster, so their searches spread out.
+      auto count_children = [&]() {
+        for (int p = lo + tid; p < hi; p += kBlock) {
+          int c = 0;
+          if (p == 0 || p_score[p] >= tau) {
+            const double base = p_score[p];
+            const int limit = min(K, budget / p_prod[p]);
+            if (exact) {  // children j < c: base + row[j] >= tau, a prefix (rows descend)
+              int a = 0, z = limit;
+              while (a < z) {
+                const int mid = (a + z) / 2;
+                if (base + static_cast<double>(row[mid]) >= tau) a = mid + 1;
+                else z = mid;
+              }
+              c = a;
+            } else {  // the contract's sibling chain, up to the first score below tau
+              double sc = base + static_cast<double>(row[0]);
+              while (c < limit && sc >= tau) {
+                ++c;
+                if (c < limit) sc = (sc - static_cast<double>(row[c - 1])) + static_cast<double>(row[c]);
+              }
+            }
+          }
+          offs[p - lo] = c;
+        }
+      };
+      // Counts to offsets (a block scan over contiguous chunks of parents); returns the total.
+      auto scan_children = [&]() {
+        __syncthreads();  // counts complete
+        int mine = 0;
+        for (int p = first; p < last; ++p) mine += offs[p - lo];
+        int total;
+        int off = block_inclusive_scan(mine, sh, &total) - mine;
         for (int p = first; p < last; ++p) {
           const int c = offs[p - lo];
           offs[p - lo] = off;
           off += c;
         }
-        __syncthreads();  // offs complete
-        for (int i = tid; i < total; i += kBlock) {
-          int a = 0, z = P - 1;  // the last parent whose offset is <= i
-          while (a < z) {
-            const int mid = (a + z + 1) / 2;
-            if (offs[mid] <= i) a = mid;
-            else z = mid - 1;
+        __syncthreads();  // offsets complete
+        return total;
+      };
+      // fn(slot offset i, parent, rank, score) for every child of the level, each thread its share:
+      // one thread per child for exact sums (its parent by binary search over the offsets), one
+      // per parent replaying the contract's chain otherwise.
+      auto for_each_child = [&](int total, auto fn) {
+        if (exact) {
+          for (int i = tid; i < total; i += kBlock) {
+            int a = 0, z = P - 1;  // the last parent whose offset is <= i
+            while (a < z) {
+              const int mid = (a + z + 1) / 2;
+              if (offs[mid] <= i) a = mid;
+              else z = mid - 1;
+            }
+            const int p = lo + a, j = i - offs[a];
+            fn(i, p, j, p_score[p] + static_cast<double>(row[j]));
           }
-          const int p = lo + a, j = i - offs[a], slot = count + i;
-          const double sc = p_score[p] + static_cast<double>(row[j]);
-          p_score[slot] = sc;
-          if (grid.on) add_to_grid(grid, sc, sh);
-          p_prefix[slot] = static_cast<int16_t>(p);
-          p_rank[slot] = static_cast<int16_t>(j);
-          p_prod[slot] = static_cast<int16_t>((j + 1) * p_prod[p]);
-          p_depth[slot] = static_cast<int8_t>(d);
-        }
-      } else {  // each thread replays the chains of its parents into its range of slots
-        int slot = count + first_off;
-        for (int p = first; p < last; ++p) {
-          const int c = offs[p - lo];
-          double sc = p_score[p] + static_cast<double>(row[0]);
-          for (int j = 0; j < c; ++j, ++slot) {
-            if (j > 0) sc = (sc - static_cast<double>(row[j - 1])) + static_cast<double>(row[j]);
-            p_score[slot] = sc;
-            if (grid.on) add_to_grid(grid, sc, sh);
-            p_prefix[slot] = static_cast<int16_t>(p);
-            p_rank[slot] = static_cast<int16_t>(j);
-            p_prod[slot] = static_cast<int16_t>((j + 1) * p_prod[p]);
-            p_depth[slot] = static_cast<int8_t>(d);
+        } else {
+          for (int p = first; p < last; ++p) {
+            const int i0 = offs[p - lo], c = (p + 1 < hi ? offs[p + 1 - lo] : total) - i0;
+            double sc = p_score[p] + static_cast<double>(row[0]);
+            for (int j = 0; j < c; ++j) {
+              if (j > 0) sc = (sc - static_cast<double>(row[j - 1])) + static_cast<double>(row[j]);
+              fn(i0 + j, p, j, sc);
+            }
           }
         }
+      };
+      count_children();
+      int total = scan_children();
+      DDTREE_PHASE(1);
+      // The rise these children would cause once written is taken before when the pool is
+      // tight: they join the grid from the offsets, so only those above the new tau take pool
+      // slots (dead slots are never reclaimed). Otherwise they are written and the rise follows
+      // (cheaper: no second count).
+      bool risen = false;
+      if (total > 0 && live + total > kTightenFactor * budget && count + total > C / 2) {
+        const bool had_grid = grid.on;
+        auto live_and_children = [&](auto fn) {
+          for (int s = 1 + tid; s < count; s += kBlock)
+            if (p_score[s] >= tau) fn(p_score[s]);
+          for_each_child(total, [&](int, int, int, double sc) { fn(sc); });
+        };
+        if (had_grid || lay_grid(live_and_children, grid, sh)) {
+          if (had_grid) {
+            for_each_child(total, [&](int, int, int, double sc) { add_to_grid(grid, sc, sh); });
+            __syncthreads();
+          }
+          rise_from_grid(tau, live, budget, sh);
+          risen = true;
+          count_children();
+          total = scan_children();
+        }
+        DDTREE_PHASE(3);
       }
+      if (count + total > C) {  // block-uniform
+        fallback = true;
+        break;
+      }
+      if (total == 0) break;
+      for_each_child(total, [&](int i, int p, int j, double sc) {
+        const int slot = count + i;
+        p_score[slot] = sc;
+        if (grid.on && !risen) add_to_grid(grid, sc, sh);  // after a rise it is in already
+        p_prefix[slot] = static_cast<int16_t>(p);
+        p_rank[slot] = static_cast<int16_t>(j);
+        p_prod[slot] = static_cast<int16_t>((j + 1) * p_prod[p]);
+        p_depth[slot] = static_cast<int8_t>(d);
+      });
       __syncthreads();  // the new level is visible; offs may be reused
       DDTREE_PHASE(2);
       lo = count;
       hi = count + total;
       count += total;
-      live += total;
-      if (live > kTightenFactor * budget) {
-        rise(p_score, count, tau, live, budget, grid, sh);
-        DDTREE_PHASE(3);
+      if (!risen) {  // (a rise counted them)
+        live += total;
+        if (live > kTightenFactor * budget) {
+          rise(p_score, count, tau, live, budget, grid, sh);
+          DDTREE_PHASE(3);
+        }
       }
     }
     if (!fallback && live > budget) {
