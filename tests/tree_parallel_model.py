@@ -119,10 +119,11 @@ def _rise(score, live_slots, budget, grid):
     return tau, [s for s in live_slots if score[s] >= tau], grid
 
 
-def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, product_bound: int | None = None):
+def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, product_bound: int | None = None,
+                        stats: dict | None = None):
     """Returns (ReferenceTree, path) with path in {"fast", "fallback:<why>"}. `capacity`: pool
     slots; `product_bound` (default: budget) exists to test that the verification catches a pool
-    that misses nodes."""
+    that misses nodes; `stats`, when given, gets the pool slots used ("pool")."""
     bound = budget if product_bound is None else product_bound
     lp = np.asarray(logprobs, dtype=np.float32).astype(np.float64).tolist()
     depth_limit, topk = len(lp), len(lp[0])
@@ -199,6 +200,8 @@ def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, produc
             t = _rise(score, live, budget, grid)
             if t is not None:
                 tau, live, grid = t
+    if stats is not None:
+        stats["pool"] = len(score)
     if len(live) > budget:
         t = _rise(score, live, budget, grid)
         if t is not None:

@@ -84,12 +84,12 @@ def _launch_cuda(kernel, args, device: torch.device) -> None:
 
 
 CUDA_KERNELS = ("auto", "block", "warp")
-# H200, D 16, K = budget, batch 64, kernel time (µs) block / warp (kernels.txt, 2026-11-30 04:13):
-# 16: 14.7 / 5.4, 32: 16.5 / 9.0, 64: 26.6 / 17.3, 128: 29.9 / 47.4, 256: 41.3 / 141, 384: 50.9 / 300,
-# 512: 63.2 / 505 (900 / 505 at batch 128), 1024: 2200 / 1972. Block for 128..384 only: from
-# ~512 the block kernel's pool barely fits drafter-like rows, and a request that overflows it
-# falls back to the warp loop and sets the batch's time; docs/tree.md has the pool model.
-BLOCK_KERNEL_BUDGETS = range(128, 385)
+# H200, D 16, K = budget, batch 64, kernel time (µs) block / warp (kernels.txt, 2026-11-30 04:27):
+# 16: 14.3 / 5.4, 32: 15.8 / 8.9, 64: 26.7 / 17.3, 128: 29.6 / 47.4, 256: 41.3 / 141, 384: 56.5 / 300,
+# 512: 65.8 / 505, 1024: 132 / 1971 (batch 128 within 6%). Hence the block kernel from 128 up. A
+# request whose rows overflow the block kernel's pool (peaked rows at budgets >= ~768) falls back
+# to the warp loop inside it, which then sets the batch's time: ~7% over the warp kernel alone.
+BLOCK_KERNEL_BUDGETS = range(128, 1025)
 
 
 def _block_kernel(choice: str, budget: int) -> bool:
