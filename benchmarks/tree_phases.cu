@@ -35,50 +35,86 @@ static std::vector<char> slurp(const char* path) {
   fclose(f);
   return v;
 }
+template <typename T>
+static T* upload(const std::vector<char>& bytes) {
+  T* d = nullptr;
+  cudaMalloc(&d, bytes.size());
+  cudaMemcpy(d, bytes.data(), bytes.size(), cudaMemcpyHostToDevice);
+  return d;
+}
+
+template <typename T>
+static T* device_array(long n) {
+  T* d = nullptr;
+  cudaMalloc(&d, sizeof(T) * n);
+  return d;
+}
+
+static const char* kPhaseNames[16] = {"stage+checks", "level count+scan", "level write", "rises",
+                                      "candidates", "sort", "verify", "fallback loop", "outputs", "",
+                                      "w:stage", "w:loop", "w:outputs"};
+
 int main(int argc, char** argv) {
-  if (argc < 8) { fprintf(stderr, "tree_phases LP IDS BATCH D K BUDGET block|warp [ITERS]\n"); return 2; }
-  const int Bt = atoi(argv[3]), D = atoi(argv[4]), K = atoi(argv[5]), N = atoi(argv[6]);
+  if (argc < 8) {
+    fprintf(stderr, "tree_phases LP IDS BATCH D K BUDGET block|warp [ITERS]\n");
+    return 2;
+  }
+  const int batch = atoi(argv[3]), D = atoi(argv[4]), K = atoi(argv[5]), N = atoi(argv[6]);
   const bool block = argv[7][0] == 'b';
   const int iters = argc > 8 ? atoi(argv[8]) : 50;
-  auto lp = slurp(argv[1]), ids = slurp(argv[2]);
-  float* d_lp; int32_t* d_ids;
-  cudaMalloc(&d_lp, lp.size()); cudaMalloc(&d_ids, ids.size());
-  cudaMemcpy(d_lp, lp.data(), lp.size(), cudaMemcpyHostToDevice);
-  cudaMemcpy(d_ids, ids.data(), ids.size(), cudaMemcpyHostToDevice);
-  const int W = (N + 1 + 63) / 64;
-  BuildArgs in{d_lp, d_ids, nullptr, Bt, D, K, N};
-  BuildOutputs out{};
-  cudaMalloc(&out.tokens, 4L * Bt * N); cudaMalloc(&out.depths, 4L * Bt * N);
-  cudaMalloc(&out.parents, 4L * Bt * (N + 1)); cudaMalloc(&out.num_nodes, 4L * Bt);
-  cudaMalloc(&out.mask, 8L * Bt * (N + 1) * W); cudaMalloc(&out.status, 4L * Bt);
-  auto run = [&] { if (block) build_trees_cuda(in, out, nullptr); else build_trees_cuda_warp(in, out, nullptr); };
-  for (int i = 0; i < 5; ++i) run();
+  const BuildArgs in{upload<float>(slurp(argv[1])), upload<int32_t>(slurp(argv[2])), nullptr, batch, D, K, N};
+  const long W = (N + 1 + 63) / 64;
+  const BuildOutputs out{device_array<int32_t>(long{batch} * N),       device_array<int32_t>(long{batch} * N),
+                         device_array<int32_t>(long{batch} * (N + 1)), device_array<int32_t>(batch),
+                         device_array<uint64_t>(batch * (N + 1) * W),  device_array<int32_t>(batch)};
+  auto run = [&] {
+    if (block) build_trees_cuda(in, out, nullptr);
+    else build_trees_cuda_warp(in, out, nullptr);
+  };
+
+  for (int i = 0; i < 5; ++i) run();  // warm-up, then count the timed launches only
   cudaDeviceSynchronize();
-  unsigned long long zeros[16] = {};
+  const unsigned long long zeros[16] = {};
   cudaMemcpyToSymbol(g_phase_cycles, zeros, sizeof zeros);
   cudaMemcpyToSymbol(g_phase_calls, zeros, sizeof zeros);
-  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-  std::vector<float> ms;
-  for (int i = 0; i < iters; ++i) {
-    cudaEventRecord(a); run(); cudaEventRecord(b); cudaEventSynchronize(b);
-    float t; cudaEventElapsedTime(&t, a, b); ms.push_back(t);
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<float> ms(iters);
+  for (float& t : ms) {
+    cudaEventRecord(start);
+    run();
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    cudaEventElapsedTime(&t, start, stop);
+  }
+  if (cudaGetLastError() != cudaSuccess) {
+    fprintf(stderr, "CUDA error: %s\n", cudaGetErrorString(cudaGetLastError()));
+    return 1;
   }
   std::sort(ms.begin(), ms.end());
-  unsigned long long cyc[16], calls[16];
-  cudaMemcpyFromSymbol(cyc, g_phase_cycles, sizeof cyc);
+
+  unsigned long long cycles[16], calls[16];
+  cudaMemcpyFromSymbol(cycles, g_phase_cycles, sizeof cycles);
   cudaMemcpyFromSymbol(calls, g_phase_calls, sizeof calls);
-  int khz; cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0);
-  std::vector<int32_t> nn(Bt), st(Bt);
-  cudaMemcpy(nn.data(), out.num_nodes, 4L * Bt, cudaMemcpyDeviceToHost);
-  cudaMemcpy(st.data(), out.status, 4L * Bt, cudaMemcpyDeviceToHost);
-  long sum_n = 0; int bad = 0; for (int i = 0; i < Bt; ++i) { sum_n += nn[i]; bad += st[i] != 0; }
-  printf("%s batch %d D %d K %d budget %d: event median %.1f us (min %.1f); nodes/req %.1f status!=0 %d; clock %d MHz\n",
-         block ? "block" : "warp", Bt, D, K, N, 1000 * ms[ms.size() / 2], 1000 * ms[0], double(sum_n) / Bt, bad, khz / 1000);
-  const char* names[16] = {"stage+checks", "level count+scan", "level write", "tighten", "candidates",
-                           "sort", "verify", "fallback loop", "outputs", "", "w:stage", "w:loop", "w:outputs"};
-  const double per = double(iters) * Bt;
+  int khz = 0;
+  cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0);
+  std::vector<int32_t> nodes(batch), status(batch);
+  cudaMemcpy(nodes.data(), out.num_nodes, 4L * batch, cudaMemcpyDeviceToHost);
+  cudaMemcpy(status.data(), out.status, 4L * batch, cudaMemcpyDeviceToHost);
+  long total_nodes = 0;
+  int bad = 0;
+  for (int i = 0; i < batch; ++i) {
+    total_nodes += nodes[i];
+    bad += status[i] != 0;
+  }
+  printf("%s batch %d D %d K %d budget %d: event median %.1f us (min %.1f); nodes/req %.1f status!=0 %d; "
+         "clock %d MHz\n", block ? "block" : "warp", batch, D, K, N, 1000 * ms[ms.size() / 2], 1000 * ms[0],
+         double(total_nodes) / batch, bad, khz / 1000);
+  const double per_request = double(iters) * batch;
   for (int i = 0; i < 16; ++i)
-    if (calls[i]) printf("  phase %2d %-18s %8.0f cycles/req  %6.2f us/req  calls/req %.2f\n", i, names[i],
-                         cyc[i] / per, cyc[i] / per / (khz / 1000.0), calls[i] / per);
+    if (calls[i])
+      printf("  phase %2d %-18s %8.0f cycles/req  %6.2f us/req  calls/req %.2f\n", i, kPhaseNames[i],
+             cycles[i] / per_request, cycles[i] / per_request / (khz / 1000.0), calls[i] / per_request);
   return 0;
 }

@@ -393,13 +393,15 @@ __device__ __forceinline__ int lowest_bit_exponent(float v) {
   return static_cast<int>(exponent) - 150 + __ffs(static_cast<int>(mantissa | 0x800000u)) - 1;
 }
 
-// Warp-wide min / max of 64-bit keys, so a block's shared atomics take one update per warp.
-__device__ __forceinline__ unsigned long long warp_min(unsigned long long v) {
+// Warp-wide min / max, so a block's shared atomics take one update per warp.
+template <typename T>
+__device__ __forceinline__ T warp_min(T v) {
 #pragma unroll
   for (int o = kWarp / 2; o > 0; o /= 2) v = min(v, __shfl_xor_sync(kFullMask, v, o));
   return v;
 }
-__device__ __forceinline__ unsigned long long warp_max(unsigned long long v) {
+template <typename T>
+__device__ __forceinline__ T warp_max(T v) {
 #pragma unroll
   for (int o = kWarp / 2; o > 0; o /= 2) v = max(v, __shfl_xor_sync(kFullMask, v, o));
   return v;
@@ -659,13 +661,15 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       check(v, row_start ? 0.0f : __ldg(lp + i - 1), row_start);
     }
   }
-  const unsigned abs_max_bits = static_cast<unsigned>(warp_max(__float_as_uint(abs_max)));  // >= 0: bits order
-  const int lowest = static_cast<int>(static_cast<long long>(warp_min(static_cast<unsigned long long>(lowest_bit + (1 << 21)))) - (1 << 21));
-  const bool any_nonfinite = __any_sync(kFullMask, nonfinite), any_unordered = __any_sync(kFullMask, unordered);
+  const unsigned abs_max_bits = warp_max(__float_as_uint(abs_max));  // >= 0, so the bits order
+  const int lowest = warp_min(lowest_bit);
+  const bool any_nonfinite = __any_sync(kFullMask, nonfinite);
+  const bool any_unordered = __any_sync(kFullMask, unordered);
   if (tid % kWarp == 0) {
     if (isfinite(__uint_as_float(abs_max_bits))) atomicMax(&sh.abs_max, abs_max_bits);
     atomicMin(&sh.lowest_bit, lowest);
-    if (any_nonfinite || any_unordered) atomicOr(&sh.flags, (any_nonfinite ? 1 : 0) | (any_unordered ? 2 : 0));
+    if (any_nonfinite || any_unordered)
+      atomicOr(&sh.flags, (any_nonfinite ? 1 : 0) | (any_unordered ? 2 : 0));
   }
   __syncthreads();
   const int budget = in.budgets ? in.budgets[b] : N;
@@ -899,7 +903,8 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
             const int pi = p_prefix[s], ri = p_rank[s], di = p_depth[s];
             for (int j = first; j < end; ++j) {
               const int t = c_slot[j];
-              if (t != s) r += rank_path_less(p_prefix[t], p_rank[t], p_depth[t], pi, ri, di, p_prefix, p_rank);
+              if (t != s)
+                r += rank_path_less(p_prefix[t], p_rank[t], p_depth[t], pi, ri, di, p_prefix, p_rank);
             }
           } else {
             r = budget;  // the whole run ranks after the tree
