@@ -131,6 +131,26 @@ def test_compiles_for_sm90_within_shared_memory():
         assert ptx.count("cp.async.bulk.tensor") == 2 * 3 * tile[0] // 16
 
 
+def test_descriptors_are_kept_per_layer_view_while_the_cache_lives():
+    """The TMA descriptors are built once per layer's view of a model's cache (new view objects
+    each call hit them), and go, memory included, when the cache tensor is freed."""
+    import gc
+
+    from ddtree.kernels import mla_verify_wgmma as wgmma
+    pages = torch.zeros(3, 4, 64, C + R, dtype=torch.bfloat16)  # [layers, pages, page_size, C + R]
+    before = len(wgmma._DESCRIPTORS)
+    first = [wgmma._kv_descriptors(pages[layer], C, R, 64) for layer in range(3)]
+    assert all(wgmma._kv_descriptors(pages[layer], C, R, 64) is first[layer] for layer in range(3))
+    assert len(wgmma._DESCRIPTORS) == before + 3
+    latent, rope = first[1]
+    assert latent.base.data_ptr() == pages[1].data_ptr() and list(latent.shape) == [4 * 64, C + R]
+    assert list(latent.block_shape) == [64, C // 2] and list(rope.block_shape) == [64, R]
+    assert latent.base._base is None  # not a view: the descriptors do not keep `pages` alive
+    del pages, first, latent, rope
+    gc.collect()
+    assert len(wgmma._DESCRIPTORS) == before
+
+
 def test_config_rule():
     from ddtree.kernels.mla_verify_wgmma import TILE, wgmma_config
     assert wgmma_config(1024, 16, 8192, 132) == (*TILE, 1)     # 256 row blocks: no split

@@ -23,6 +23,7 @@ have no interpreter: off the GPU they only compile (`compile_for_sm90`).
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import triton
@@ -337,25 +338,31 @@ def wgmma_verify_supported(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: 
             and _is_sm90(q_latent.device.index or 0))
 
 
-_DESCRIPTORS: dict[tuple, tuple] = {}  # the last few caches' descriptors (each holds a view of its cache)
-_DESCRIPTORS_KEPT = 4  # two caches x two tile heights
+_DESCRIPTORS: dict[tuple, tuple] = {}  # per cache view, for as long as the tensor it views lives
 
 
 def _kv_descriptors(cache: torch.Tensor, c: int, r: int, block_n: int) -> tuple:
     """TMA descriptors over the cache as [pages * page_size, C + R]: boxes of min(page size,
-    block_n) rows by C/2 columns (latent halves) and by R (rope), 128-byte swizzled. Kept for the
-    last _DESCRIPTORS_KEPT caches (building them costs ~20 us of host time per call)."""
+    block_n) rows by C/2 columns (latent halves) and by R (rope), 128-byte swizzled.
+
+    Building them costs ~20 us of host time, so they are kept per cache view (a model passes one
+    view per layer of one [layers, pages, page_size, C + R] tensor) until the tensor the view
+    belongs to is freed. They hold the storage through a tensor that is not a view, so they do not
+    keep that tensor object alive: its finalizer drops them, and the memory goes with it."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    pages, page_size, width = cache.shape
-    key = (cache.data_ptr(), cache.device, cache.dtype, tuple(cache.shape), cache.stride(), c, r, block_n)
-    if key not in _DESCRIPTORS:
-        flat = cache.as_strided((pages * page_size, width), (cache.stride(1), 1))
+    root = cache if cache._base is None else cache._base
+    key = (id(root), cache.data_ptr(), cache.device, cache.dtype, tuple(cache.shape), cache.stride(), c, r, block_n)
+    found = _DESCRIPTORS.get(key)
+    if found is None:
+        pages, page_size, width = cache.shape
+        flat = torch.empty(0, dtype=cache.dtype, device=cache.device).set_(
+            cache.untyped_storage(), cache.storage_offset(), (pages * page_size, width), (cache.stride(1), 1))
         rows = min(page_size, block_n)
-        while len(_DESCRIPTORS) >= _DESCRIPTORS_KEPT:
-            _DESCRIPTORS.pop(next(iter(_DESCRIPTORS)))
-        _DESCRIPTORS[key] = (TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, c // 2], _SMEM),
-                             TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, r], _SMEM))
-    return _DESCRIPTORS[key]
+        found = (TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, c // 2], _SMEM),
+                 TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, r], _SMEM))
+        _DESCRIPTORS[key] = found
+        weakref.finalize(root, _DESCRIPTORS.pop, key, None)
+    return found
 
 
 def wgmma_config(rows_per_request: int, batch: int, max_kv_len: int, sms: int) -> tuple[int, int, int]:
