@@ -7,6 +7,8 @@
 #      column is what cuda_kernel="auto" runs), tree_build_vs_sglang.txt  -> $RESULTS/tree/
 #   3. compute-sanitizer memcheck and racecheck on the --smoke workload (both kernels), if time
 #      is left.
+#   4. benchmarks/tree_phases.sh 64 256 1024 (clock64 per phase of both kernels) -> phases.txt,
+#      if time is left.
 set -u
 out=$RESULTS/tree
 mkdir -p "$out"
@@ -23,6 +25,10 @@ if command -v compute-sanitizer > /dev/null && [ $((SECONDS - start)) -lt 150 ];
     timeout 30 compute-sanitizer --tool $tool python3 benchmarks/bench_tree.py --smoke > "$out/$tool.txt" 2>&1
     echo "$tool: exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|smoke ok' "$out/$tool.txt" | tr '\n' ' ')"
   done
+fi
+if command -v nvcc > /dev/null && [ $((SECONDS - start)) -lt 180 ]; then  # where the build's time goes
+  timeout 90 bash benchmarks/tree_phases.sh 64 256 1024 > "$out/phases.txt" 2>&1 || echo "tree_phases: failed, see phases.txt"
+  grep -E "event|rises|sort" "$out/phases.txt"
 fi
 echo "--- tree part: $((SECONDS - start)) s, exit $rc"
 exit $rc
