@@ -108,13 +108,18 @@ class _Grid:
         raise AssertionError("a rise needs more than budget live nodes")
 
 
-def _rise(score, live_slots, budget, grid):
-    """Returns (tau, live slots >= tau, grid), or None when all live scores are equal (no grid)."""
+def _rise(score, live_slots, budget, grid, new_scores=()):
+    """A rise: new_scores (not yet in the grid: a level's children before they are written) join
+    it, or the grid is laid over the live scores and them. Returns (tau, live slots >= tau, grid),
+    or None when there is no grid (all those scores equal)."""
     if grid is None:
-        scores = [score[s] for s in live_slots]
+        scores = [score[s] for s in live_slots] + list(new_scores)
         if not max(scores) - min(scores) > 0.0:
             return None
         grid = _Grid(scores)
+    else:
+        for sc in new_scores:
+            grid.add(sc)
     tau, _ = grid.rise(budget)
     return tau, [s for s in live_slots if score[s] >= tau], grid
 
@@ -166,17 +171,9 @@ def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, produc
         # before they take pool slots; otherwise it follows their writing.
         risen = False
         if total and len(live) + total > TIGHTEN_FACTOR * budget and len(score) + total > capacity // 2:
-            kid_scores = [sc for _, kids in children for sc in kids]
-            if grid is None:
-                scores = [score[s] for s in live] + kid_scores
-                if max(scores) - min(scores) > 0.0:
-                    grid = _Grid(scores)
-            else:
-                for sc in kid_scores:
-                    grid.add(sc)
-            if grid is not None:
-                tau, _ = grid.rise(budget)
-                live = [s for s in live if score[s] >= tau]
+            t = _rise(score, live, budget, grid, [sc for _, kids in children for sc in kids])
+            if t is not None:
+                tau, live, grid = t
                 children = children_above(tau)
                 total = sum(len(kids) for _, kids in children)
                 risen = True

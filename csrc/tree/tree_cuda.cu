@@ -21,6 +21,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "tree/tree_common.h"
 #include "tree/tree_ops.h"
@@ -502,15 +503,33 @@ __device__ bool lay_grid(ForEachScore for_each_score, Grid& grid, BlockScalars& 
   return true;
 }
 
-// A rise with live > budget (pool slots 1..count-1 with score >= tau), laying the grid over them
-// first if there is none; leaves tau alone when all live scores are equal.
-__device__ void rise(const double* score, int count, double& tau, int& live, int budget, Grid& grid,
-                     BlockScalars& sh) {
-  auto live_scores = [&](auto fn) {
-    for (int s = 1 + threadIdx.x; s < count; s += kBlock)
-      if (score[s] >= tau) fn(score[s]);
-  };
-  if (grid.on || lay_grid(live_scores, grid, sh)) rise_from_grid(tau, live, budget, sh);
+struct NoScores {
+  template <typename F>
+  __device__ void operator()(F) const {}
+};
+
+// A rise with live > budget (pool slots 1..count-1 with score >= tau). `for_each_new(fn)` gives
+// scores not yet in the grid (a level's children before they are written; none otherwise): they
+// join it, or, without a grid yet, it is laid over them and the live pool. False, tau untouched,
+// when there is no grid (all those scores equal).
+template <typename ForEachNew = NoScores>
+__device__ bool rise(const double* score, int count, double& tau, int& live, int budget, Grid& grid,
+                     BlockScalars& sh, ForEachNew for_each_new = {}) {
+  if (grid.on) {
+    if constexpr (!std::is_same_v<ForEachNew, NoScores>) {
+      for_each_new([&](double s) { add_to_grid(grid, s, sh); });
+      __syncthreads();
+    }
+  } else {
+    auto live_and_new = [&](auto fn) {
+      for (int s = 1 + threadIdx.x; s < count; s += kBlock)
+        if (score[s] >= tau) fn(score[s]);
+      for_each_new(fn);
+    };
+    if (!lay_grid(live_and_new, grid, sh)) return false;
+  }
+  rise_from_grid(tau, live, budget, sh);
+  return true;
 }
 
 // Sorts keys[0, n) ascending, slots alongside (n a power of two >= 64; all threads of the block
@@ -800,19 +819,9 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       // (cheaper: no second count).
       bool risen = false;
       if (total > 0 && live + total > kTightenFactor * budget && count + total > C / 2) {
-        const bool had_grid = grid.on;
-        auto live_and_children = [&](auto fn) {
-          for (int s = 1 + tid; s < count; s += kBlock)
-            if (p_score[s] >= tau) fn(p_score[s]);
-          for_each_child(total, [&](int, int, int, double sc) { fn(sc); });
-        };
-        if (had_grid || lay_grid(live_and_children, grid, sh)) {
-          if (had_grid) {
-            for_each_child(total, [&](int, int, int, double sc) { add_to_grid(grid, sc, sh); });
-            __syncthreads();
-          }
-          rise_from_grid(tau, live, budget, sh);
-          risen = true;
+        auto children = [&](auto fn) { for_each_child(total, [&](int, int, int, double sc) { fn(sc); }); };
+        risen = rise(p_score, count, tau, live, budget, grid, sh, children);
+        if (risen) {
           count_children();
           total = scan_children();
         }
