@@ -72,6 +72,19 @@ def test_model_fast_on_benchmark_shapes():
             assert got == reference.build_tree(lp[b].numpy(), ids[b].numpy(), budget)
 
 
+def test_dead_children_take_no_pool_slots():
+    """Budget 512 on drafter-like rows: with the rise taken before a tight level is written, a
+    request fits 3,072 pool slots (writing the dead children first needed up to ~6,100)."""
+    budget = 512
+    lp, ids = random_topk(2, 16, budget, generator=torch.Generator().manual_seed(5))
+    for b in range(2):
+        stats = {}
+        got, path = parallel_model.build_tree_parallel(lp[b].numpy(), ids[b].numpy(), budget, capacity=3072,
+                                                       stats=stats)
+        assert path == "fast" and stats["pool"] <= 3072
+        assert got == reference.build_tree(lp[b].numpy(), ids[b].numpy(), budget)
+
+
 def test_verification_catches_a_broken_pool():
     """With the pool's product bound halved (so it misses nodes of the true tree), the
     verification rejects those trees and the fallback keeps them exact."""
