@@ -139,6 +139,31 @@ def test_fused_merge_matches_separate_merge(splits):
     check_against_reference(inputs, scale=0.3, config=(16, 16, 4, 1, splits, "fused"))
 
 
+@pytest.mark.parametrize("splits", [2, 3, 33])
+@pytest.mark.parametrize("sms", [1, 132])
+def test_merge_splits_matches_float64(splits, sms):
+    """The second launch alone: pair counts that leave a partial program block (16, 4 or 1 pairs
+    per program as the SM count asks), split counts that leave a partial split group, empty splits
+    (lse -inf) and a pair no split saw (out 0, lse -inf), against the float64 formula."""
+    from ddtree.kernels.mla_verify_triton import merge_splits
+    gen = torch.Generator().manual_seed(splits)
+    rows, heads = 7, 3
+    o_part = torch.randn(splits, rows * heads, C, generator=gen).to(DEVICE)
+    lse_part = (torch.randn(splits, rows * heads, generator=gen) * 4).to(DEVICE)
+    lse_part[0, 5] = float("-inf")
+    lse_part[:, 11] = float("-inf")
+    out = torch.full((rows, heads, C), float("nan"), dtype=DTYPE, device=DEVICE)
+    lse = torch.full((rows, heads), float("nan"), dtype=torch.float32, device=DEVICE)
+    merge_splits(o_part, lse_part, out, lse, heads, sms=sms)
+    lse64 = torch.logsumexp(lse_part.double(), 0)
+    weights = torch.exp(lse_part.double() - lse64.clamp_min(-1e300)).nan_to_num(0.0)
+    expect = (weights[:, :, None] * o_part.double()).sum(0)
+    expect[11] = 0.0
+    torch.testing.assert_close(out.view(rows * heads, C).double().cpu(), expect.cpu(), rtol=1e-2, atol=1e-2)  # bf16 out
+    assert lse.view(-1)[11].item() == float("-inf")
+    torch.testing.assert_close(lse.view(-1).double().cpu(), lse64.cpu(), rtol=1e-5, atol=1e-5)
+
+
 def test_fused_merge_counters_reset_across_calls():
     """The merger zeroes its counter: repeated calls (and row blocks > 1) stay correct and leave
     the int32 workspace all zeros."""
@@ -219,7 +244,7 @@ def test_bad_inputs_are_value_errors_before_launch():
         "q_latent must be bfloat16 or float16": dict(q_latent=q_latent.float(), q_rope=q_rope.float(),
                                                      cache=cache.float()),
         "q_rope is": dict(q_rope=q_rope.to(torch.bfloat16 if DTYPE == torch.float16 else torch.float16)),
-        "queries have": dict(mask=causal_bitmask(3)),
+        "queries have": dict(mask=causal_bitmask(3).to(DEVICE)),
         "cache rows are": dict(cache=cache[..., :-16]),
         "powers of two": dict(q_latent=q_latent[..., :-8], cache=cache[..., 8:]),
         "one row per request": dict(prefix_lens=prefix.repeat(2)),

@@ -156,7 +156,8 @@ def test_config_rule():
     assert wgmma_config(1024, 16, 8192, 132) == (*TILE, 1)     # 256 row blocks: no split
     assert wgmma_config(1024, 1, 8192, 132) == (*TILE, 8)      # 16 row blocks x 8 splits of 1024 keys
     assert wgmma_config(64, 64, 8192, 132) == (*TILE, 2)       # 64 row blocks x 2 splits fill the SMs
-    assert wgmma_config(64, 64, 1024, 132) == (*TILE, 1)       # splits of 512 keys: not worth a merge
+    assert wgmma_config(64, 64, 1024, 132) == (*TILE, 2)       # 2 splits of 512 keys
+    assert wgmma_config(64, 64, 1000, 132) == (*TILE, 1)       # splits would be shorter than 512 keys
     assert wgmma_config(64, 16, 8192, 132) == (*TILE, 8)
     assert wgmma_config(64, 1, 8192, 132) == (*TILE, 64)       # few row blocks: splits of 128 keys
     assert wgmma_config(512, 1, 1024, 132) == (*TILE, 8)

@@ -192,38 +192,71 @@ def _merge_rows(OPart, LsePart, Out, Lse, prow, row_ok, qrow, head, n_rows, num_
 
 @triton.jit(do_not_specialize=["n_rows", "H", "num_splits", "stride_lr"])
 def _merge_splits(OPart, LsePart, Out, Lse, n_rows, H, num_splits, stride_or, stride_oh, stride_lr,
-                  C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (row*head, column block): out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s.
-    Splits are read BLOCK_S at a time, so many loads are in flight even with few rows.
+                  C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    """Program (BLOCK_R (row, head) pairs, BLOCK_C columns): out = sum_s exp(lse_s - lse) o_s,
+    lse = logsumexp_s lse_s. The splits' [BLOCK_R, BLOCK_C] tiles are read BLOCK_S at a time, an
+    unrolled group of independent loads, each summed in the thread that loaded it.
     PDL: launched as a programmatic dependent of the split kernel; wait for all its writes."""
     if PDL:
         gdc_wait()
-    r = tl.program_id(0).to(tl.int64)
+    rr = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = rr < n_rows
     cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ss = tl.arange(0, BLOCK_S)
-    top = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
-        top = tl.maximum(top, tl.load(LsePart + (s0 + ss) * n_rows + r, mask=s0 + ss < num_splits,
-                                      other=float("-inf")))
-    top = tl.max(top, 0)
+        ok = ((s0 + ss) < num_splits)[:, None] & r_ok[None, :]
+        part = tl.load(LsePart + (s0 + ss)[:, None] * n_rows + rr[None, :], mask=ok, other=float("-inf"))
+        top = tl.maximum(top, tl.max(part, 0))
     top_safe = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros([BLOCK_S], tl.float32)
-    acc = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
-        ok = s0 + ss < num_splits
-        w = tl.exp(tl.load(LsePart + (s0 + ss) * n_rows + r, mask=ok, other=float("-inf")) - top_safe)
-        o = tl.load(OPart + ((s0 + ss).to(tl.int64) * n_rows + r)[:, None] * C + cc[None, :],
-                    mask=ok[:, None], other=0.0)
-        acc += w[:, None] * o  # empty splits: lse -inf, weight 0
-        total += w
-    total_all = tl.sum(total, 0)
-    seen = total_all > 0.0
-    out = tl.sum(acc, 0) / tl.where(seen, total_all, 1.0)
-    row, head = r // H, r % H
-    tl.store(Out + row * stride_or + head * stride_oh + cc, out.to(Out.dtype.element_ty))
+        for j in tl.static_range(BLOCK_S):
+            split_rows = (s0 + j) * n_rows + rr
+            ok = r_ok & (s0 + j < num_splits)
+            w = tl.exp(tl.load(LsePart + split_rows, mask=ok, other=float("-inf")) - top_safe)
+            o = tl.load(OPart + (split_rows * C)[:, None] + cc[None, :], mask=ok[:, None], other=0.0)
+            acc += w[:, None] * o  # empty splits: lse -inf, weight 0
+            total += w
+    seen = total > 0.0
+    out = acc / tl.where(seen, total, 1.0)[:, None]
+    row, head = rr // H, rr % H
+    tl.store(Out + (row * stride_or + head * stride_oh)[:, None] + cc[None, :], out.to(Out.dtype.element_ty),
+             mask=r_ok[:, None])
     if tl.program_id(1) == 0:
-        lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total_all, 1.0)), float("-inf"))
-        tl.store(Lse + row * stride_lr + head, lse)
+        lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+        tl.store(Lse + row * stride_lr + head, lse, mask=r_ok)
+
+
+MERGE_PROGRAMS_PER_SM = 4  # the merge launch's pairs per program shrink until about this many programs per SM
+
+
+def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 heads: int, *, pdl: bool = False, sms: int | None = None) -> None:
+    """Second launch of a split call: o_part [splits, rows*heads, C] fp32 and lse_part
+    [splits, rows*heads] merged into out [rows, heads, C] and lse [rows, heads].
+
+    Up to 16 pairs per program while that leaves MERGE_PROGRAMS_PER_SM programs per SM, fewer
+    below, down to one pair reading 16 splits at a time (B 1: few pairs, many splits). H200,
+    2026-11-30 (kernel time): 4096 pairs x 2 splits 4.3 us, x 4 6.3, x 8 19.5 (3.4 TB/s); 128 pairs
+    x 64 splits 13; the launch before (one pair per program, always 16 splits per load) took 50,
+    51, 54 and 9.2 us. sms: the SM count to size for (default: the device's)."""
+    splits, pairs, c = o_part.shape
+    block_c = min(c, 128)
+    if sms is None:
+        sms = _num_sms(o_part.device.index or 0) if o_part.device.type == "cuda" else 132
+    block_r = 16
+    while block_r > 1 and triton.cdiv(pairs, block_r) * (c // block_c) < MERGE_PROGRAMS_PER_SM * sms:
+        block_r //= 2
+    block_s = min(_pow2(splits), max(1, 16 // block_r))
+    launch = {"num_warps": 4} if o_part.device.type == "cuda" else {}
+    if pdl:
+        launch.update(launch_pdl=True)
+    _merge_splits[(triton.cdiv(pairs, block_r), c // block_c)](
+        o_part, lse_part, out, lse, pairs, heads, splits, out.stride(0), out.stride(1), lse.stride(0),
+        C=c, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_S=block_s, PDL=pdl, **launch)
 
 
 @functools.cache
@@ -386,9 +419,5 @@ def mla_verify_attention_triton(
                       **({"PDL": True} if pdl else {}))
     if fused:
         return out, lse
-    block_c = min(c, 128)
-    _merge_splits[(rows * heads, c // block_c)](
-        o_part, lse_part, out, lse, rows * heads, heads, splits, out.stride(0), out.stride(1), lse.stride(0),
-        C=c, BLOCK_C=block_c, BLOCK_S=16, **({"num_warps": 4} if launch else {}),
-        **({"PDL": True, "launch_pdl": True} if pdl else {}))
+    merge_splits(o_part, lse_part, out, lse, heads, pdl=pdl)
     return out, lse

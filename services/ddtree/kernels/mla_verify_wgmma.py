@@ -33,7 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
-from .mla_verify_triton import _LOG2E, _merge_splits, _num_sms
+from .mla_verify_triton import _LOG2E, _num_sms, merge_splits
 from .validate import check_verify_inputs, check_verify_values
 
 BLOCK_M = 64  # rows of one program: one wgmma M tile
@@ -41,8 +41,9 @@ TILE = (64, 2)  # (BLOCK_N, STAGES): m64n64 scores, 2 tiles in flight (3 do not 
                 # for the same bytes in flight, measured 5-15% slower on 64-row decode (H200, 2026-11-30)
 WARPS = 4     # per warpgroup: the softmax warpgroup (the launch's warps) plus the value warpgroup
 VALUE_REGS = 232  # registers per thread of the value warpgroup (setmaxnreg)
-MIN_SPLIT_KEYS = 1024  # a split reads at least this many keys (B 64, 4 nodes x h 16, 1k: 2 splits of 512
-                       # took 88 us, 1 split 55 us: the partials' traffic and the merge launch)
+MIN_SPLIT_KEYS = 512   # a split reads at least this many keys (H200 graph replay, B 64, 4 nodes x h 16, 1k:
+                       # 2 splits of 512 42.7 us, 1 split 47.3; 1024 until the merge launch was made 10x
+                       # faster, when 2 splits took 88 us)
 FEW_PROGRAMS = 8       # ... or 128 keys when there are at most this many row blocks in all: latency-bound,
                        # more programs stream more and the merge is small (CUDA-graph replay, B 1, 8k:
                        # 64 rows 64 splits 20.3 us, 16: 26.9; 128 rows 64 splits 21.3 us, 8: 41.8)
@@ -427,10 +428,7 @@ def mla_verify_attention_wgmma(
         C=c, R=r, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages, PARTIAL=splits > 1, TAIL_MASK=tail_mask,
         VALUE_REGS=VALUE_REGS, num_warps=WARPS)
     if splits > 1:
-        block_c = 128
-        _merge_splits[(rows * heads, c // block_c)](
-            o_part, lse_part, out, lse, rows * heads, heads, splits, out.stride(0), out.stride(1), lse.stride(0),
-            C=c, BLOCK_C=block_c, BLOCK_S=16, num_warps=4)
+        merge_splits(o_part, lse_part, out, lse, heads)
     return out, lse
 
 
