@@ -356,6 +356,8 @@ def run_grid(args) -> list[dict]:
         row["us"] = timed(lambda: kernel(*inputs, scale))
         row["graph_us"] = graph_us(lambda: kernel(*inputs, scale))
         row["nomask_us"] = (timed(lambda: kernel(*inputs, scale, tail_mask=False)) if nodes > 1 else float("nan"))
+        row["nomask_graph_us"] = (graph_us(lambda: kernel(*inputs, scale, tail_mask=False)) if nodes > 1
+                                  else float("nan"))
         row["triton_us"] = (timed(lambda: mla_verify_attention_triton(*inputs, scale))
                             if row["kernel"] != "triton" else row["us"])
         mm_us, mm_flops = matmul_us(flops)
@@ -370,20 +372,22 @@ def run_grid(args) -> list[dict]:
 
 
 HEADER = ("verify_attn  batch nodes  h  prefix      us   TFLOP/s  %mm   GB/s  %copy  mask%   ref_us  xref"
-          "   mm_TFLOP/s copy_GB/s kernel  triton_us  xtriton  graph_us %mm_g %copy_g")
+          "   mm_TFLOP/s copy_GB/s kernel  triton_us  xtriton  graph_us %mm_g %copy_g mask%_g")
 
 
 def format_row(r: dict) -> str:
     tflops = r["flops"] / r["us"] / 1e6
     gbs = r["bytes"] / r["us"] / 1e3
     mask = 100.0 * (r["us"] / r["nomask_us"] - 1.0) if r["nomask_us"] == r["nomask_us"] else float("nan")
+    nomask_g = r.get("nomask_graph_us", float("nan"))
+    mask_g = 100.0 * (r["graph_us"] / nomask_g - 1.0) if nomask_g == nomask_g else float("nan")
     xref = r["ref_us"] / r["us"] if r["ref_us"] == r["ref_us"] else float("nan")
     return (f"verify_attn {r['batch']:6d} {r['nodes']:5d} {r['heads']:2d} {r['prefix']:7d} {r['us']:8.1f}"
             f" {tflops:8.1f} {100 * tflops / r['mm_tflops']:4.0f} {gbs:6.0f} {100 * gbs / r['copy_gbs']:5.0f}"
             f" {mask:6.1f} {r['ref_us']:8.0f} {xref:5.1f} {r['mm_tflops']:10.1f} {r['copy_gbs']:9.0f}"
             f" {r['kernel']:>6} {r['triton_us']:10.1f} {r['triton_us'] / r['us']:8.2f} {r['graph_us']:9.1f}"
             f" {100 * r['flops'] / r['graph_us'] / 1e6 / r['mm_tflops']:5.0f}"
-            f" {100 * r['bytes'] / r['graph_us'] / 1e3 / r['copy_gbs']:6.0f}")
+            f" {100 * r['bytes'] / r['graph_us'] / 1e3 / r['copy_gbs']:6.0f} {mask_g:7.1f}")
 
 
 def run_variants(args) -> None:
@@ -513,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
                 f"command: python benchmarks/bench_verify_attn.py {' '.join(argv if argv is not None else sys.argv[1:])}\n"
                 "%mm: kernel TFLOP/s over a bf16 cuBLAS matmul of the same FLOPs; %copy: kernel GB/s over a\n"
-                "device copy of the same bytes; mask%: time over the same kernel with the tail mask off;\n"
+                "device copy of the same bytes; mask%: time over the same kernel with the tail mask off\n"
+                "(mask%_g: the same under CUDA-graph replay, free of host noise);\n"
                 "xref: torch reference time over kernel time (nan: reference skipped, > 4 GB);\n"
                 "kernel: what the model's dispatcher runs (wgmma: >= 64 rows per request on sm_90);\n"
                 "triton_us: the Triton kernel on the same inputs, same run; xtriton = triton_us / us;\n"
