@@ -240,9 +240,11 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor
 
     Up to 16 pairs per program while that leaves MERGE_PROGRAMS_PER_SM programs per SM, fewer
     below, down to one pair reading 16 splits at a time (B 1: few pairs, many splits). H200,
-    2026-11-30 (kernel time): 4096 pairs x 2 splits 4.3 us, x 4 6.3, x 8 19.5 (3.4 TB/s); 128 pairs
-    x 64 splits 13; the launch before (one pair per program, always 16 splits per load) took 50,
-    51, 54 and 9.2 us. sms: the SM count to size for (default: the device's)."""
+    2026-11-30 (kernel time): 4096 pairs x 2 splits 4.3 us, x 4 6.3, x 8 19.5 (3.4 TB/s), where the
+    launch before (one pair per program, [16 splits, 128 columns] per load) took 50, 51 and 54 us;
+    128 pairs x 64 splits (B 1) 7.0 us against 5.8: one pair per program gives each thread one
+    scalar per load here, the old [16, 128] block four-wide vectors. sms: the SM count to size
+    for (default: the device's)."""
     splits, pairs, c = o_part.shape
     block_c = min(c, 128)
     if sms is None:
