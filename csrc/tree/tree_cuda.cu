@@ -329,13 +329,17 @@ __host__ __device__ __forceinline__ int pow2_at_least(int x) {
   return p;
 }
 
+// Keys the candidate sort takes for m candidates: a power of two, at least one 64-key register
+// chunk. The shared-memory layout reserves it for m = kCandidateFactor * budget.
+__host__ __device__ __forceinline__ int sort_length(int m) { return m > 64 ? pow2_at_least(m) : 64; }
+
 // Dynamic shared memory of one block build: 8-byte arrays first, then 4-, 2- and 1-byte ones.
 struct BlockShared {
   size_t bytes;
   size_t lp, pool_score, cand_score, offs, pool_prefix, pool_rank, pool_prod, pool_index,
       cand_slot, parent, rank, order, pool_depth, has_next, has_child, depth;
   __host__ __device__ BlockShared(int D, int K, int N, int C, size_t staged_size) {
-    const int Mc = pow2_at_least(kCandidateFactor * N > 64 ? kCandidateFactor * N : 64);  // sort padding
+    const int Mc = sort_length(kCandidateFactor * N);
     size_t o = 0;
     auto take = [&o](size_t n, size_t align) {
       o = (o + align - 1) / align * align;
@@ -891,7 +895,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       // padded to a power of two), then runs of exactly equal scores put in rank-path order by
       // counting within the run. The first `budget` become nodes 1..n.
       unsigned long long* c_key = reinterpret_cast<unsigned long long*>(c_score);  // in place
-      const int P2 = max(64, pow2_at_least(m));
+      const int P2 = sort_length(m);
       for (int i = tid; i < P2; i += kBlock) {
         // +0.0 folds -0.0 into 0.0: they compare equal, so they must tie here too.
         c_key[i] = i < m ? ~order_key(c_score[i] + 0.0) : ~0ull;
