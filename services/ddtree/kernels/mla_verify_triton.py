@@ -247,7 +247,7 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor
     for (default: the device's)."""
     splits, pairs, c = o_part.shape
     block_c = min(c, 128)
-    if sms is None:
+    if sms is None:  # off the GPU (the interpreter) an H200's 132, so it takes the same shapes
         sms = _num_sms(o_part.device.index or 0) if o_part.device.type == "cuda" else 132
     block_r = 16
     while block_r > 1 and triton.cdiv(pairs, block_r) * (c // block_c) < MERGE_PROGRAMS_PER_SM * sms:
