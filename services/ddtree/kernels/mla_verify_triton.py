@@ -193,10 +193,12 @@ def _merge_rows(OPart, LsePart, Out, Lse, prow, row_ok, qrow, head, n_rows, num_
 @triton.jit(do_not_specialize=["n_rows", "H", "num_splits", "stride_lr"])
 def _merge_splits(OPart, LsePart, Out, Lse, n_rows, H, num_splits, stride_or, stride_oh, stride_lr,
                   C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  SPLIT_BLOCKS: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (BLOCK_R (row, head) pairs, BLOCK_C columns): out = sum_s exp(lse_s - lse) o_s,
     lse = logsumexp_s lse_s. The splits' [BLOCK_R, BLOCK_C] tiles are read BLOCK_S at a time, an
     unrolled group of independent loads, each summed in the thread that loaded it.
+    SPLIT_BLOCKS (BLOCK_R 1 only): read [BLOCK_S splits, BLOCK_C] blocks instead, so each thread
+    loads four-wide vectors rather than one scalar per split.
     PDL: launched as a programmatic dependent of the split kernel; wait for all its writes."""
     if PDL:
         gdc_wait()
@@ -212,14 +214,28 @@ def _merge_splits(OPart, LsePart, Out, Lse, n_rows, H, num_splits, stride_or, st
     top_safe = tl.where(top == float("-inf"), 0.0, top)
     total = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        for j in tl.static_range(BLOCK_S):
-            split_rows = (s0 + j) * n_rows + rr
-            ok = r_ok & (s0 + j < num_splits)
-            w = tl.exp(tl.load(LsePart + split_rows, mask=ok, other=float("-inf")) - top_safe)
-            o = tl.load(OPart + (split_rows * C)[:, None] + cc[None, :], mask=ok[:, None], other=0.0)
-            acc += w[:, None] * o  # empty splits: lse -inf, weight 0
-            total += w
+    if SPLIT_BLOCKS:
+        pair = tl.program_id(0).to(tl.int64)
+        w_sum = tl.zeros([BLOCK_S], tl.float32)
+        acc_s = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
+        for s0 in range(0, num_splits, BLOCK_S):
+            split_rows = (s0 + ss).to(tl.int64) * n_rows + pair
+            ok_s = (s0 + ss) < num_splits
+            w_s = tl.exp(tl.load(LsePart + split_rows, mask=ok_s, other=float("-inf")) - tl.max(top_safe, 0))
+            o_s = tl.load(OPart + (split_rows * C)[:, None] + cc[None, :], mask=ok_s[:, None], other=0.0)
+            acc_s += w_s[:, None] * o_s  # empty splits: lse -inf, weight 0
+            w_sum += w_s
+        acc += tl.sum(acc_s, 0)[None, :]
+        total += tl.sum(w_sum, 0)
+    else:
+        for s0 in range(0, num_splits, BLOCK_S):
+            for j in tl.static_range(BLOCK_S):
+                split_rows = (s0 + j) * n_rows + rr
+                ok = r_ok & (s0 + j < num_splits)
+                w = tl.exp(tl.load(LsePart + split_rows, mask=ok, other=float("-inf")) - top_safe)
+                o = tl.load(OPart + (split_rows * C)[:, None] + cc[None, :], mask=ok[:, None], other=0.0)
+                acc += w[:, None] * o  # empty splits: lse -inf, weight 0
+                total += w
     seen = total > 0.0
     out = acc / tl.where(seen, total, 1.0)[:, None]
     row, head = rr // H, rr % H
@@ -231,6 +247,7 @@ def _merge_splits(OPart, LsePart, Out, Lse, n_rows, H, num_splits, stride_or, st
 
 
 MERGE_PROGRAMS_PER_SM = 4  # the merge launch's pairs per program shrink until about this many programs per SM
+SPLIT_BLOCKS_MIN_SPLITS = 32  # one pair per program and more splits than this: [16 splits, 128 cols] blocks
 
 
 def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -241,10 +258,11 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor
     Up to 16 pairs per program while that leaves MERGE_PROGRAMS_PER_SM programs per SM, fewer
     below, down to one pair reading 16 splits at a time (B 1: few pairs, many splits). H200,
     2026-11-30 (kernel time): 4096 pairs x 2 splits 4.3 us, x 4 6.3, x 8 19.5 (3.4 TB/s), where the
-    launch before (one pair per program, [16 splits, 128 columns] per load) took 50, 51 and 54 us;
-    128 pairs x 64 splits (B 1) 7.0 us against 5.8: one pair per program gives each thread one
-    scalar per load here, the old [16, 128] block four-wide vectors. sms: the SM count to size
-    for (default: the device's)."""
+    launch before (one pair per program, [16 splits, 128 columns] per load) took 50, 51 and 54 us.
+    One pair per program and more than SPLIT_BLOCKS_MIN_SPLITS splits read [16 splits, 128 columns]
+    blocks (four-wide loads; 2026-11-30: 128 pairs x 64 splits 5.3 us against 6.4 reading one
+    split at a time, 256 x 64 8.9 against 11.0, 128 x 132 8.6 against 12.4; 256 x 32 equal,
+    128 x 16 slower, 3.5 against 2.7). sms: the SM count to size for (default: the device's)."""
     splits, pairs, c = o_part.shape
     block_c = min(c, 128)
     if sms is None:  # off the GPU (the interpreter) an H200's 132, so it takes the same shapes
@@ -258,7 +276,8 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor
         launch.update(launch_pdl=True)
     _merge_splits[(triton.cdiv(pairs, block_r), c // block_c)](
         o_part, lse_part, out, lse, pairs, heads, splits, out.stride(0), out.stride(1), lse.stride(0),
-        C=c, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_S=block_s, PDL=pdl, **launch)
+        C=c, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_S=block_s,
+        SPLIT_BLOCKS=block_r == 1 and splits > SPLIT_BLOCKS_MIN_SPLITS, PDL=pdl, **launch)
 
 
 @functools.cache
