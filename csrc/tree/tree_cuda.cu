@@ -10,6 +10,11 @@
 #include <cuda_runtime.h>
 #define DDTREE_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #define DDTREE_BLOCK_PATH(fallback, exact)  // the emulation counts the block kernel's paths
+// Shared-memory words one warp publishes while another polls them.
+template <typename T>
+__device__ __forceinline__ T load_volatile(const T* p) { return *static_cast<const volatile T*>(p); }
+template <typename T>
+__device__ __forceinline__ void store_volatile(T* p, T v) { *static_cast<volatile T*>(p) = v; }
 #endif
 #ifndef DDTREE_PHASE  // phase timing hooks: a profiling harness defines them (clock64 per phase)
 #define DDTREE_PHASE_START()
@@ -42,14 +47,16 @@ void check_cuda(cudaError_t err, const char* what) {
 }
 #endif
 
-// Shared memory of one build block: log-probs [D][K] (staged as double when they fit, so a pop
-// converts nothing), then node parent/rank/depth.
+// Shared memory of one warp-kernel block: log-probs [D][K] (staged as double when they fit, so a
+// pop converts nothing), then the popped nodes as candidate words (for the output warp), then node
+// parent/rank/depth.
 constexpr size_t kDoubleStagingLimit = 200 * 1024;
 struct BuildShared {
   size_t bytes;
-  size_t parent_offset, rank_offset, depth_offset;
+  size_t node_offset, parent_offset, rank_offset, depth_offset;
   __host__ __device__ BuildShared(int D, int K, int N, size_t staged_size) {
-    parent_offset = staged_size * static_cast<size_t>(D) * K;
+    node_offset = staged_size * static_cast<size_t>(D) * K;  // a multiple of 4
+    parent_offset = node_offset + sizeof(uint32_t) * (N + 1);
     rank_offset = parent_offset + sizeof(int16_t) * (N + 1);
     depth_offset = rank_offset + sizeof(int16_t) * (N + 1);
     bytes = depth_offset + (N + 1);
@@ -67,10 +74,12 @@ __device__ __noinline__ bool tie_pops_before(uint32_t ca, uint32_t cb, const int
 
 
 // The sequential best-first loop of one warp (the exact algorithm, pop by pop). Node 0 of
-// s_parent/s_rank/s_depth must hold the root. Returns the number of nodes popped.
+// s_parent/s_rank/s_depth must hold the root. Returns the number of nodes popped. s_node (if not
+// null, zeros on entry): each popped node's candidate word is stored there as it pops, for a warp
+// that writes outputs meanwhile (one self-contained 32-bit store: no fence needed).
 template <int M, typename Staged>
 __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t* s_parent,
-                          int16_t* s_rank, int8_t* s_depth, int lane) {
+                          int16_t* s_rank, int8_t* s_depth, uint32_t* s_node, int lane) {
   // Frontier position j = k * 32 + lane lives in score[k] / cand[k]; positions < live are
   // valid, in pop order. live <= min(32 * M, budget - n): later positions could never pop.
   double score[M];
@@ -97,6 +106,7 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
       s_parent[n] = static_cast<int16_t>(p);
       s_rank[n] = static_cast<int16_t>(r);
       s_depth[n] = static_cast<int8_t>(d);
+      if (s_node) store_volatile(s_node + n, head);  // nonzero: depth >= 1
     }
     // The two offers, in the contract's float64 operation order (indices clamped so the
     // loads are unconditional; an offer that does not exist is dropped below).
@@ -194,102 +204,180 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
   return n;
 }
 
-// Outputs of request b, padding included, by threads tid = 0..nthreads-1.
-__device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int b, int n,
-                              int32_t status, const int16_t* s_parent, const int16_t* s_rank,
-                              const int8_t* s_depth, int tid, int nthreads) {
+// Node i's parent, rank and depth as the output writers read them: from the build's node arrays
+// (node 0 the root, parent -1) ...
+struct NodeArrays {
+  const int16_t* parent;
+  const int16_t* rank;
+  const int8_t* depth;
+  __device__ int parent_of(int i) const { return parent[i]; }
+  __device__ int rank_of(int i) const { return rank[i]; }
+  __device__ int depth_of(int i) const { return depth[i]; }
+};
+// ... or from the candidate words warp_build publishes as it pops (s_node; word 0 unused).
+struct NodeWords {
+  const uint32_t* word;
+  __device__ int parent_of(int i) const { return i == 0 ? -1 : candidate_parent(load_volatile(word + i)); }
+  __device__ int rank_of(int i) const { return candidate_rank(load_volatile(word + i)); }
+  __device__ int depth_of(int i) const { return candidate_depth(load_volatile(word + i)); }
+};
+
+// Output rows first..last (node indices; row 0 is the root) of request b, which has n nodes (rows
+// past n are padding), by threads tid = 0..nthreads-1.
+template <typename Nodes>
+__device__ void write_rows(const BuildArgs& in, const BuildOutputs& out, int b, int n, int first, int last,
+                           const Nodes& nodes, int tid, int nthreads) {
   const int D = in.depth, K = in.topk, N = in.max_budget, W = mask_words(N + 1);
   const int32_t* ids = in.ids + static_cast<long>(b) * D * K;
   int32_t* tokens = out.tokens + static_cast<long>(b) * N;
   int32_t* depths = out.depths + static_cast<long>(b) * N;
   int32_t* parents = out.parents + static_cast<long>(b) * (N + 1);
   uint64_t* mask = out.mask + static_cast<long>(b) * (N + 1) * W;
-  for (int i = tid; i < N; i += nthreads) {
-    const int node = i + 1;
+  for (int node = max(first, 1) + tid; node <= last; node += nthreads) {
     if (node <= n) {
-      const int d = s_depth[node];
-      tokens[i] = __ldg(ids + (d - 1) * K + s_rank[node]);
-      depths[i] = d;
+      const int d = nodes.depth_of(node);
+      tokens[node - 1] = __ldg(ids + (d - 1) * K + nodes.rank_of(node));
+      depths[node - 1] = d;
     } else {
-      tokens[i] = -1;
-      depths[i] = 0;
+      tokens[node - 1] = -1;
+      depths[node - 1] = 0;
     }
   }
-  for (int i = tid; i <= N; i += nthreads) parents[i] = (i >= 1 && i <= n) ? s_parent[i] : -1;
+  for (int node = first + tid; node <= last; node += nthreads)
+    parents[node] = (node >= 1 && node <= n) ? nodes.parent_of(node) : -1;
   // Row i, word w: the ancestors of i (parents have smaller indices) that fall in the word.
-  for (int idx = tid; idx < (N + 1) * W; idx += nthreads) {
-    const int row = idx / W, lo = (idx - row * W) * 64;
+  for (int idx = tid; idx < (last - first + 1) * W; idx += nthreads) {
+    const int row = first + idx / W, lo = (idx % W) * 64;
     uint64_t bits = 0;
     if (row <= n)
-      for (int v = row; v >= lo; v = s_parent[v])
+      for (int v = row; v >= lo; v = nodes.parent_of(v))
         if (v < lo + 64) bits |= uint64_t{1} << (v - lo);
-    mask[idx] = bits;
+    mask[static_cast<long>(row) * W + idx % W] = bits;
   }
+}
+
+// Every output of request b, padding included, and its node count and status.
+__device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int b, int n,
+                              int32_t status, const NodeArrays& nodes, int tid, int nthreads) {
+  write_rows(in, out, b, n, 0, in.max_budget, nodes, tid, nthreads);
   if (tid == 0) {
     out.num_nodes[b] = n;
     out.status[b] = status;
   }
 }
 
+// The output warp of the warp kernel: writes each node's rows while warp 0 is still popping (in
+// batches: the nodes published since its last look), so little is left when the loop ends. Stops
+// once *s_finished is set and nothing new is published; returns the last row written (the rows
+// after it are written after the loop, when every node is visible).
+__device__ int write_popped_rows(const BuildArgs& in, const BuildOutputs& out, int b, const uint32_t* s_node,
+                                 const int* s_finished, int lane) {
+  const NodeWords nodes{s_node};
+  write_rows(in, out, b, 0, 0, 0, nodes, lane, kWarp);  // the root
+  int last = 0;
+  for (;;) {
+    // Read first (a node published before it may still be missed, never half-seen), warp-uniform.
+    const bool finished = __any_sync(kFullMask, load_volatile(s_finished) != 0);
+    const int i = last + 1 + lane;
+    const unsigned ready = __ballot_sync(kFullMask, i <= in.max_budget && load_volatile(s_node + i) != 0);
+    const int count = ~ready ? __ffs(static_cast<int>(~ready)) - 1 : kWarp;  // nodes last+1.. ready
+    if (count > 0) {
+      __syncwarp();  // ancestors' words seen by any lane are seen by all
+      write_rows(in, out, b, last + count, last + 1, last + count, nodes, lane, kWarp);
+      last += count;
+    } else if (finished) {
+      return last;
+    }
+  }
+}
+
+// Stages a request's log-probs in shared memory (as Staged) by threads tid = 0..nthreads-1, in one
+// pass that also checks them: check(v, left neighbour, v starts a row) sees every value.
+template <typename Staged, typename Check>
+__device__ void stage_logprobs(const float* lp, Staged* s_lp, int numel, int K, int tid, int nthreads,
+                               Check check) {
+  if ((K & 3) == 0 && (reinterpret_cast<uintptr_t>(lp) & 15) == 0) {  // a float4 never straddles rows
+    const float4* lp4 = reinterpret_cast<const float4*>(lp);
+#pragma unroll 4
+    for (int i = tid; i < numel / 4; i += nthreads) {
+      const float4 v = __ldg(lp4 + i);
+      const bool row_start = (4 * i) % K == 0;
+      const float before = row_start ? 0.0f : __ldg(lp + 4 * i - 1);
+      s_lp[4 * i] = v.x;
+      s_lp[4 * i + 1] = v.y;
+      s_lp[4 * i + 2] = v.z;
+      s_lp[4 * i + 3] = v.w;
+      check(v.x, before, row_start);
+      check(v.y, v.x, false);
+      check(v.z, v.y, false);
+      check(v.w, v.z, false);
+    }
+  } else {
+    for (int i = tid; i < numel; i += nthreads) {
+      const float v = __ldg(lp + i);
+      const bool row_start = i % K == 0;
+      s_lp[i] = v;
+      check(v, row_start ? 0.0f : __ldg(lp + i - 1), row_start);
+    }
+  }
+}
+
+
+// The warp kernel: warp 0 runs the pop loop, warp 1 writes the popped nodes' outputs meanwhile.
+constexpr int kBuildThreads = 2 * kWarp;
 
 template <int M, typename Staged>
-__global__ void __launch_bounds__(kWarp) build_kernel(BuildArgs in, BuildOutputs out) {
+__global__ void __launch_bounds__(kBuildThreads) build_kernel(BuildArgs in, BuildOutputs out) {
   DDTREE_DYNAMIC_SMEM(smem);
   DDTREE_PHASE_START();
+  __shared__ int s_n, s_written, s_finished;
   const int D = in.depth, K = in.topk, N = in.max_budget;
-  const int b = blockIdx.x, lane = threadIdx.x;
+  const int b = blockIdx.x, tid = threadIdx.x;
   const BuildShared layout(D, K, N, sizeof(Staged));
   Staged* s_lp = reinterpret_cast<Staged*>(smem);
+  uint32_t* s_node = reinterpret_cast<uint32_t*>(smem + layout.node_offset);
   int16_t* s_parent = reinterpret_cast<int16_t*>(smem + layout.parent_offset);
   int16_t* s_rank = reinterpret_cast<int16_t*>(smem + layout.rank_offset);
   int8_t* s_depth = reinterpret_cast<int8_t*>(smem + layout.depth_offset);
 
   // Stage this request's log-probs in shared memory and check them.
-  const float* lp = in.logprobs + static_cast<long>(b) * D * K;
-  const int numel = D * K;
   bool nonfinite = false, unordered = false;
-  const bool vectorized = (K & 3) == 0 && (reinterpret_cast<uintptr_t>(lp) & 15) == 0;
-  if (vectorized) {  // a float4 never straddles two rows
-    const float4* lp4 = reinterpret_cast<const float4*>(lp);
-#pragma unroll 4
-    for (int i = lane; i < numel / 4; i += kWarp) {
-      const float4 v = __ldg(lp4 + i);
-      s_lp[4 * i] = v.x;
-      s_lp[4 * i + 1] = v.y;
-      s_lp[4 * i + 2] = v.z;
-      s_lp[4 * i + 3] = v.w;
-      nonfinite |= !(isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
-      unordered |= v.x < v.y || v.y < v.z || v.z < v.w;
-    }
-  } else {
-    for (int i = lane; i < numel; i += kWarp) {
-      const float v = __ldg(lp + i);
-      s_lp[i] = v;
-      nonfinite |= !isfinite(v);
-    }
-  }
-  if (lane == 0) {
+  stage_logprobs(in.logprobs + static_cast<long>(b) * D * K, s_lp, D * K, K, tid, kBuildThreads,
+                 [&](float v, float before, bool row_start) {
+                   nonfinite |= !isfinite(v);
+                   unordered |= !row_start && before < v;
+                 });
+  for (int i = tid; i <= N; i += kBuildThreads) s_node[i] = 0;
+  if (tid == 0) {
     s_parent[0] = -1;
     s_rank[0] = 0;
     s_depth[0] = 0;
+    s_finished = 0;
   }
-  __syncwarp();
-  const int step = vectorized ? 4 : 1;  // pairs (i - 1, i) left to compare: i % step == 0
-  for (int i = lane * step; i < numel; i += kWarp * step)
-    if (i % K != 0) unordered |= s_lp[i - 1] < s_lp[i];
-
   const int budget = in.budgets ? in.budgets[b] : N;
   int32_t status = kOk;
-  if (__any_sync(kFullMask, nonfinite)) status = kNonFinite;
-  else if (__any_sync(kFullMask, unordered)) status = kNotDescending;
+  if (__syncthreads_or(nonfinite)) status = kNonFinite;  // (block-uniform, so both calls or one)
+  else if (__syncthreads_or(unordered)) status = kNotDescending;
   if (budget < 1 || budget > N) status = kBadBudget;
 
   DDTREE_PHASE(10);
-  int n = 0;
-  if (status == kOk) n = warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, lane);
-  __syncwarp();
+  if (tid < kWarp) {
+    const int n = status == kOk ? warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, s_node, tid) : 0;
+    if (tid == 0) {
+      s_n = n;
+      store_volatile(&s_finished, 1);
+    }
+  } else {
+    const int written = write_popped_rows(in, out, b, s_node, &s_finished, tid - kWarp);
+    if (tid == kWarp) s_written = written;
+  }
+  __syncthreads();
   DDTREE_PHASE(11);
-  write_outputs(in, out, b, n, status, s_parent, s_rank, s_depth, lane, kWarp);
+  write_rows(in, out, b, s_n, s_written + 1, N, NodeArrays{s_parent, s_rank, s_depth}, tid, kBuildThreads);
+  if (tid == 0) {
+    out.num_nodes[b] = s_n;
+    out.status[b] = status;
+  }
   DDTREE_PHASE(12);
 }
 
@@ -660,30 +748,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
     abs_max = fmaxf(abs_max, fabsf(v));  // fmaxf ignores NaN; NaN is reported anyway
     lowest_bit = min(lowest_bit, lowest_bit_exponent(v));
   };
-  if ((K & 3) == 0 && (reinterpret_cast<uintptr_t>(lp) & 15) == 0) {  // a float4 never straddles rows
-    const float4* lp4 = reinterpret_cast<const float4*>(lp);
-#pragma unroll 4
-    for (int i = tid; i < numel / 4; i += kBlock) {
-      const float4 v = __ldg(lp4 + i);
-      const bool row_start = (4 * i) % K == 0;
-      const float before = row_start ? 0.0f : __ldg(lp + 4 * i - 1);
-      s_lp[4 * i] = v.x;
-      s_lp[4 * i + 1] = v.y;
-      s_lp[4 * i + 2] = v.z;
-      s_lp[4 * i + 3] = v.w;
-      check(v.x, before, row_start);
-      check(v.y, v.x, false);
-      check(v.z, v.y, false);
-      check(v.w, v.z, false);
-    }
-  } else {
-    for (int i = tid; i < numel; i += kBlock) {
-      const float v = __ldg(lp + i);
-      const bool row_start = i % K == 0;
-      s_lp[i] = v;
-      check(v, row_start ? 0.0f : __ldg(lp + i - 1), row_start);
-    }
-  }
+  stage_logprobs(lp, s_lp, numel, K, tid, kBlock, check);
   const unsigned abs_max_bits = warp_max(__float_as_uint(abs_max));  // >= 0, so the bits order
   const int lowest = warp_min(lowest_bit);
   const bool any_nonfinite = __any_sync(kFullMask, nonfinite);
@@ -974,14 +1039,14 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
   if (tid == 0 && status == kOk) DDTREE_BLOCK_PATH(fallback, exact);
   if (fallback) {  // block-uniform: the exact sequential loop on warp 0
     if (tid < kWarp) {
-      n = warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, tid);
+      n = warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, nullptr, tid);
       if (tid == 0) sh.n = n;
     }
     __syncthreads();
     n = sh.n;
     DDTREE_PHASE(7);
   }
-  write_outputs(in, out, b, n, status, s_parent, s_rank, s_depth, tid, kBlock);
+  write_outputs(in, out, b, n, status, NodeArrays{s_parent, s_rank, s_depth}, tid, kBlock);
   DDTREE_PHASE(8);
 }
 
@@ -1044,7 +1109,7 @@ void launch_build_staged(const BuildArgs& in, const BuildOutputs& out, cudaStrea
     check_cuda(cudaFuncSetAttribute(build_kernel<M, Staged>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)),
                "build (shared memory opt-in)");
-  build_kernel<M, Staged><<<in.batch, kWarp, smem, stream>>>(in, out);
+  build_kernel<M, Staged><<<in.batch, kBuildThreads, smem, stream>>>(in, out);
   check_cuda(cudaGetLastError(), "build");
 }
 

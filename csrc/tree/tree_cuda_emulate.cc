@@ -182,6 +182,10 @@ inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v)
 inline unsigned atomicMax(unsigned* p, unsigned v) { return emu::atomic_max(p, v); }
 inline int atomicMin(int* p, int v) { return emu::atomic_min(p, v); }
 inline int atomicOr(int* p, int v) { return std::atomic_ref<int>(*p).fetch_or(v); }
+template <typename T>
+inline T load_volatile(const T* p) { return std::atomic_ref<T>(*const_cast<T*>(p)).load(std::memory_order_relaxed); }
+template <typename T>
+inline void store_volatile(T* p, T v) { std::atomic_ref<T>(*p).store(v, std::memory_order_relaxed); }
 using std::frexp;
 using std::isfinite;
 using std::max;
@@ -305,7 +309,7 @@ void run_warp(const Case& c, Result& r) {
   const auto in = args_of(c);
   const auto out = r.outputs();
   const size_t smem = tree::BuildShared(c.depth, c.topk, c.budget, sizeof(double)).bytes;
-  emu::launch(c.batch, tree::kWarp, smem, [&] { tree::build_kernel<M, double>(in, out); });
+  emu::launch(c.batch, tree::kBuildThreads, smem, [&] { tree::build_kernel<M, double>(in, out); });
 }
 
 // Frontier rows (per lane) for this budget: the smallest of the instantiated M that holds them.
