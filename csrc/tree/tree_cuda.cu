@@ -10,11 +10,7 @@
 #include <cuda_runtime.h>
 #define DDTREE_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #define DDTREE_BLOCK_PATH(fallback, exact)  // the emulation counts the block kernel's paths
-// Shared-memory words one warp publishes while another polls them.
-template <typename T>
-__device__ __forceinline__ T load_volatile(const T* p) { return *static_cast<const volatile T*>(p); }
-template <typename T>
-__device__ __forceinline__ void store_volatile(T* p, T v) { *static_cast<volatile T*>(p) = v; }
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 #endif
 #ifndef DDTREE_PHASE  // phase timing hooks: a profiling harness defines them (clock64 per phase)
 #define DDTREE_PHASE_START()
@@ -48,15 +44,13 @@ void check_cuda(cudaError_t err, const char* what) {
 #endif
 
 // Shared memory of one warp-kernel block: log-probs [D][K] (staged as double when they fit, so a
-// pop converts nothing), then the popped nodes as candidate words (for the output warp), then node
-// parent/rank/depth.
+// pop converts nothing), then node parent/rank/depth.
 constexpr size_t kDoubleStagingLimit = 200 * 1024;
 struct BuildShared {
   size_t bytes;
-  size_t node_offset, parent_offset, rank_offset, depth_offset;
+  size_t parent_offset, rank_offset, depth_offset;
   __host__ __device__ BuildShared(int D, int K, int N, size_t staged_size) {
-    node_offset = staged_size * static_cast<size_t>(D) * K;  // a multiple of 4
-    parent_offset = node_offset + sizeof(uint32_t) * (N + 1);
+    parent_offset = staged_size * static_cast<size_t>(D) * K;
     rank_offset = parent_offset + sizeof(int16_t) * (N + 1);
     depth_offset = rank_offset + sizeof(int16_t) * (N + 1);
     bytes = depth_offset + (N + 1);
@@ -74,12 +68,10 @@ __device__ __noinline__ bool tie_pops_before(uint32_t ca, uint32_t cb, const int
 
 
 // The sequential best-first loop of one warp (the exact algorithm, pop by pop). Node 0 of
-// s_parent/s_rank/s_depth must hold the root. Returns the number of nodes popped. s_node (if not
-// null, zeros on entry): each popped node's candidate word is stored there as it pops, for a warp
-// that writes outputs meanwhile (one self-contained 32-bit store: no fence needed).
+// s_parent/s_rank/s_depth must hold the root. Returns the number of nodes popped.
 template <int M, typename Staged>
 __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t* s_parent,
-                          int16_t* s_rank, int8_t* s_depth, uint32_t* s_node, int lane) {
+                          int16_t* s_rank, int8_t* s_depth, int lane) {
   // Frontier position j = k * 32 + lane lives in score[k] / cand[k]; positions < live are
   // valid, in pop order. live <= min(32 * M, budget - n): later positions could never pop.
   double score[M];
@@ -106,7 +98,6 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
       s_parent[n] = static_cast<int16_t>(p);
       s_rank[n] = static_cast<int16_t>(r);
       s_depth[n] = static_cast<int8_t>(d);
-      if (s_node) store_volatile(s_node + n, head);  // nonzero: depth >= 1
     }
     // The two offers, in the contract's float64 operation order (indices clamped so the
     // loads are unconditional; an offer that does not exist is dropped below).
@@ -204,90 +195,40 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
   return n;
 }
 
-// Node i's parent, rank and depth as the output writers read them: from the build's node arrays
-// (node 0 the root, parent -1) ...
-struct NodeArrays {
-  const int16_t* parent;
-  const int16_t* rank;
-  const int8_t* depth;
-  __device__ int parent_of(int i) const { return parent[i]; }
-  __device__ int rank_of(int i) const { return rank[i]; }
-  __device__ int depth_of(int i) const { return depth[i]; }
-};
-// ... or from the candidate words warp_build publishes as it pops (s_node; word 0 unused).
-struct NodeWords {
-  const uint32_t* word;
-  __device__ int parent_of(int i) const { return i == 0 ? -1 : candidate_parent(load_volatile(word + i)); }
-  __device__ int rank_of(int i) const { return candidate_rank(load_volatile(word + i)); }
-  __device__ int depth_of(int i) const { return candidate_depth(load_volatile(word + i)); }
-};
-
-// Output rows first..last (node indices; row 0 is the root) of request b, which has n nodes (rows
-// past n are padding), by threads tid = 0..nthreads-1.
-template <typename Nodes>
-__device__ void write_rows(const BuildArgs& in, const BuildOutputs& out, int b, int n, int first, int last,
-                           const Nodes& nodes, int tid, int nthreads) {
+// Outputs of request b, padding included, by threads tid = 0..nthreads-1.
+__device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int b, int n,
+                              int32_t status, const int16_t* s_parent, const int16_t* s_rank,
+                              const int8_t* s_depth, int tid, int nthreads) {
   const int D = in.depth, K = in.topk, N = in.max_budget, W = mask_words(N + 1);
   const int32_t* ids = in.ids + static_cast<long>(b) * D * K;
   int32_t* tokens = out.tokens + static_cast<long>(b) * N;
   int32_t* depths = out.depths + static_cast<long>(b) * N;
   int32_t* parents = out.parents + static_cast<long>(b) * (N + 1);
   uint64_t* mask = out.mask + static_cast<long>(b) * (N + 1) * W;
-  for (int node = max(first, 1) + tid; node <= last; node += nthreads) {
+  for (int i = tid; i < N; i += nthreads) {
+    const int node = i + 1;
     if (node <= n) {
-      const int d = nodes.depth_of(node);
-      tokens[node - 1] = __ldg(ids + (d - 1) * K + nodes.rank_of(node));
-      depths[node - 1] = d;
+      const int d = s_depth[node];
+      tokens[i] = __ldg(ids + (d - 1) * K + s_rank[node]);
+      depths[i] = d;
     } else {
-      tokens[node - 1] = -1;
-      depths[node - 1] = 0;
+      tokens[i] = -1;
+      depths[i] = 0;
     }
   }
-  for (int node = first + tid; node <= last; node += nthreads)
-    parents[node] = (node >= 1 && node <= n) ? nodes.parent_of(node) : -1;
+  for (int i = tid; i <= N; i += nthreads) parents[i] = (i >= 1 && i <= n) ? s_parent[i] : -1;
   // Row i, word w: the ancestors of i (parents have smaller indices) that fall in the word.
-  for (int idx = tid; idx < (last - first + 1) * W; idx += nthreads) {
-    const int row = first + idx / W, lo = (idx % W) * 64;
+  for (int idx = tid; idx < (N + 1) * W; idx += nthreads) {
+    const int row = idx / W, lo = (idx - row * W) * 64;
     uint64_t bits = 0;
     if (row <= n)
-      for (int v = row; v >= lo; v = nodes.parent_of(v))
+      for (int v = row; v >= lo; v = s_parent[v])
         if (v < lo + 64) bits |= uint64_t{1} << (v - lo);
-    mask[static_cast<long>(row) * W + idx % W] = bits;
+    mask[idx] = bits;
   }
-}
-
-// Every output of request b, padding included, and its node count and status.
-__device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int b, int n,
-                              int32_t status, const NodeArrays& nodes, int tid, int nthreads) {
-  write_rows(in, out, b, n, 0, in.max_budget, nodes, tid, nthreads);
   if (tid == 0) {
     out.num_nodes[b] = n;
     out.status[b] = status;
-  }
-}
-
-// The output warp of the warp kernel: writes each node's rows while warp 0 is still popping (in
-// batches: the nodes published since its last look), so little is left when the loop ends. Stops
-// once *s_finished is set and nothing new is published; returns the last row written (the rows
-// after it are written after the loop, when every node is visible).
-__device__ int write_popped_rows(const BuildArgs& in, const BuildOutputs& out, int b, const uint32_t* s_node,
-                                 const int* s_finished, int lane) {
-  const NodeWords nodes{s_node};
-  write_rows(in, out, b, 0, 0, 0, nodes, lane, kWarp);  // the root
-  int last = 0;
-  for (;;) {
-    // Read first (a node published before it may still be missed, never half-seen), warp-uniform.
-    const bool finished = __any_sync(kFullMask, load_volatile(s_finished) != 0);
-    const int i = last + 1 + lane;
-    const unsigned ready = __ballot_sync(kFullMask, i <= in.max_budget && load_volatile(s_node + i) != 0);
-    const int count = ~ready ? __ffs(static_cast<int>(~ready)) - 1 : kWarp;  // nodes last+1.. ready
-    if (count > 0) {
-      __syncwarp();  // ancestors' words seen by any lane are seen by all
-      write_rows(in, out, b, last + count, last + 1, last + count, nodes, lane, kWarp);
-      last += count;
-    } else if (finished) {
-      return last;
-    }
   }
 }
 
@@ -323,19 +264,21 @@ __device__ void stage_logprobs(const float* lp, Staged* s_lp, int numel, int K, 
 }
 
 
-// The warp kernel: warp 0 runs the pop loop, warp 1 writes the popped nodes' outputs meanwhile.
-constexpr int kBuildThreads = 2 * kWarp;
+// The warp kernel: warp 0 runs the pop loop; all kBuildThreads stage the log-probs and write the
+// outputs (the other warps wait at the barrier meanwhile, issuing nothing). A second warp that
+// wrote each node's outputs while warp 0 popped (polling the nodes it published) measured slower:
+// its shared-memory traffic slowed the pops by 60% (H200, 2026-11-30).
+constexpr int kBuildThreads = 4 * kWarp;
 
 template <int M, typename Staged>
 __global__ void __launch_bounds__(kBuildThreads) build_kernel(BuildArgs in, BuildOutputs out) {
   DDTREE_DYNAMIC_SMEM(smem);
   DDTREE_PHASE_START();
-  __shared__ int s_n, s_written, s_finished;
+  __shared__ int s_n;
   const int D = in.depth, K = in.topk, N = in.max_budget;
   const int b = blockIdx.x, tid = threadIdx.x;
   const BuildShared layout(D, K, N, sizeof(Staged));
   Staged* s_lp = reinterpret_cast<Staged*>(smem);
-  uint32_t* s_node = reinterpret_cast<uint32_t*>(smem + layout.node_offset);
   int16_t* s_parent = reinterpret_cast<int16_t*>(smem + layout.parent_offset);
   int16_t* s_rank = reinterpret_cast<int16_t*>(smem + layout.rank_offset);
   int8_t* s_depth = reinterpret_cast<int8_t*>(smem + layout.depth_offset);
@@ -347,12 +290,13 @@ __global__ void __launch_bounds__(kBuildThreads) build_kernel(BuildArgs in, Buil
                    nonfinite |= !isfinite(v);
                    unordered |= !row_start && before < v;
                  });
-  for (int i = tid; i <= N; i += kBuildThreads) s_node[i] = 0;
+  // The outputs read ids[d - 1][rank] per node: bring this request's ids into L1 meanwhile.
+  const int32_t* ids = in.ids + static_cast<long>(b) * D * K;
+  for (int i = tid * 32; i < D * K; i += kBuildThreads * 32) prefetch_l1(ids + i);  // 128-byte lines
   if (tid == 0) {
     s_parent[0] = -1;
     s_rank[0] = 0;
     s_depth[0] = 0;
-    s_finished = 0;
   }
   const int budget = in.budgets ? in.budgets[b] : N;
   int32_t status = kOk;
@@ -362,22 +306,12 @@ __global__ void __launch_bounds__(kBuildThreads) build_kernel(BuildArgs in, Buil
 
   DDTREE_PHASE(10);
   if (tid < kWarp) {
-    const int n = status == kOk ? warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, s_node, tid) : 0;
-    if (tid == 0) {
-      s_n = n;
-      store_volatile(&s_finished, 1);
-    }
-  } else {
-    const int written = write_popped_rows(in, out, b, s_node, &s_finished, tid - kWarp);
-    if (tid == kWarp) s_written = written;
+    const int n = status == kOk ? warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, tid) : 0;
+    if (tid == 0) s_n = n;
   }
   __syncthreads();
   DDTREE_PHASE(11);
-  write_rows(in, out, b, s_n, s_written + 1, N, NodeArrays{s_parent, s_rank, s_depth}, tid, kBuildThreads);
-  if (tid == 0) {
-    out.num_nodes[b] = s_n;
-    out.status[b] = status;
-  }
+  write_outputs(in, out, b, s_n, status, s_parent, s_rank, s_depth, tid, kBuildThreads);
   DDTREE_PHASE(12);
 }
 
@@ -1039,14 +973,14 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
   if (tid == 0 && status == kOk) DDTREE_BLOCK_PATH(fallback, exact);
   if (fallback) {  // block-uniform: the exact sequential loop on warp 0
     if (tid < kWarp) {
-      n = warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, nullptr, tid);
+      n = warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, tid);
       if (tid == 0) sh.n = n;
     }
     __syncthreads();
     n = sh.n;
     DDTREE_PHASE(7);
   }
-  write_outputs(in, out, b, n, status, NodeArrays{s_parent, s_rank, s_depth}, tid, kBlock);
+  write_outputs(in, out, b, n, status, s_parent, s_rank, s_depth, tid, kBlock);
   DDTREE_PHASE(8);
 }
 

@@ -182,10 +182,7 @@ inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v)
 inline unsigned atomicMax(unsigned* p, unsigned v) { return emu::atomic_max(p, v); }
 inline int atomicMin(int* p, int v) { return emu::atomic_min(p, v); }
 inline int atomicOr(int* p, int v) { return std::atomic_ref<int>(*p).fetch_or(v); }
-template <typename T>
-inline T load_volatile(const T* p) { return std::atomic_ref<T>(*const_cast<T*>(p)).load(std::memory_order_relaxed); }
-template <typename T>
-inline void store_volatile(T* p, T v) { std::atomic_ref<T>(*p).store(v, std::memory_order_relaxed); }
+inline void prefetch_l1(const void*) {}
 using std::frexp;
 using std::isfinite;
 using std::max;
