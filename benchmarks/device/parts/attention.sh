@@ -12,7 +12,7 @@ timeout 150 python3 -m pytest -v -rs -p no:cacheprovider --durations=5 tests/tes
   $t::test_fused_merge_matches_separate_merge $t::test_fused_merge_counters_reset_across_calls \
   $t::test_row_that_sees_nothing_gives_zero_and_minus_inf $t::test_launch_config_one_wave_one_row_block \
   $t::test_matches_float64_reference $t::test_split_counts_and_tiles_agree_with_reference \
-  $t::test_dispatcher_uses_kernel_on_cuda_and_reference_elsewhere \
+  $t::test_dispatcher_uses_kernel_on_cuda_and_reference_elsewhere $t::test_merge_splits_matches_float64 \
   -k "not tree and not 8-16-prefixes" > "$out/tests.txt" 2>&1
 rc_tests=$?
 grep -cE " PASSED" "$out/tests.txt" | sed 's/^/tests passed: /'
