@@ -219,7 +219,8 @@ def run_kernels(reps: int, command: str, batches=BATCHES, budgets=KERNEL_BUDGETS
     lines = header(f"Tree build / accept kernels, D = {DEPTH}, K = budget; median of {reps} calls, microseconds",
                    command)
     lines.append("build: the block kernel (one block of 256 threads per request; cuda_kernel=\"block\");")
-    lines.append("build_warp: the warp kernel (one warp per request, the sorted-frontier loop; cuda_kernel=\"warp\"),")
+    lines.append("build_warp: the warp kernel (one block of four warps per request, warp 0 runs the sorted-frontier loop;")
+    lines.append("            cuda_kernel=\"warp\"),")
     lines.append("            same inputs, same run; x = build_warp/build;")
     lines.append("auto: the kernel cuda_kernel=\"auto\" (the default) runs at this budget")
     lines.append("build/accept: kernel execution time from CUDA activity records (CUPTI, torch.profiler);")

@@ -4,10 +4,11 @@
 - "cpu": C++ in ddtree._C, the batch spread over threads with the GIL released.
 - "cuda": kernels on the current stream; no host synchronisation when check=False, so it can be
   captured in a CUDA graph (then read Trees.status yourself). Two build kernels give the same
-  trees: "warp" (one warp per request, a sequential best-first loop) and "block" (one block per
-  request: parallel selection, verified exactly, the warp loop as its fallback). cuda_kernel="auto"
-  picks the faster one as measured on the H200 (benchmarks/results/h200/kernels.txt): the warp
-  kernel below budget 128 and from 385 on, the block kernel in between.
+  trees: "warp" (one block of four warps per request: all stage the log-probs and write the
+  outputs, warp 0 runs a sequential best-first loop) and "block" (one block per request: parallel
+  selection, verified exactly, the warp loop as its fallback). cuda_kernel="auto" picks the faster
+  one as measured on the H200 (benchmarks/results/h200/kernels.txt): the warp kernel below budget
+  128, the block kernel from 128 on.
 "auto" picks "cuda" for CUDA tensors and "cpu" otherwise.
 """
 from __future__ import annotations
@@ -84,9 +85,9 @@ def _launch_cuda(kernel, args, device: torch.device) -> None:
 
 
 CUDA_KERNELS = ("auto", "block", "warp")
-# H200, D 16, K = budget, batch 64, kernel time (µs) block / warp (kernels.txt, 2026-11-30 04:27):
-# 16: 14.3 / 5.4, 32: 15.8 / 8.9, 64: 26.7 / 17.3, 128: 29.6 / 47.4, 256: 41.3 / 141, 384: 56.5 / 300,
-# 512: 65.8 / 505, 1024: 132 / 1971 (batch 128 within 6%). Hence the block kernel from 128 up. A
+# H200, D 16, K = budget, batch 64, kernel time (µs) block / warp (kernels.txt, 2026-11-30 07:26):
+# 16: 14.2 / 5.1, 32: 15.6 / 8.0, 64: 26.5 / 14.5, 128: 29.6 / 40.4, 256: 41.1 / 122, 384: 56.5 / 274,
+# 512: 66.1 / 453, 1024: 132 / 1807 (batch 128 within 6%). Hence the block kernel from 128 up. A
 # request whose rows overflow the block kernel's pool (peaked rows at budgets >= ~768) falls back
 # to the warp loop inside it, which then sets the batch's time: ~7% over the warp kernel alone.
 BLOCK_KERNEL_BUDGETS = range(128, 1025)
