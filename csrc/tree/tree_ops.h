@@ -49,7 +49,8 @@ void accept_cpu(const AcceptArgs& in, const AcceptOutputs& out, int threads);
 // CUDA on `stream` (a cudaStream_t); asynchronous, no host sync, graph capturable. Throws
 // std::runtime_error when a launch fails. build_trees_cuda: one block per request (parallel
 // selection, verified, the warp loop as its fallback; the warp kernel where the block's shared
-// memory does not fit). build_trees_cuda_warp: the one-warp-per-request kernel alone.
+// memory does not fit). build_trees_cuda_warp: the warp kernel alone (one block of four warps per
+// request, warp 0 running the sequential loop).
 void build_trees_cuda(const BuildArgs& in, const BuildOutputs& out, void* stream);
 void build_trees_cuda_warp(const BuildArgs& in, const BuildOutputs& out, void* stream);
 void accept_cuda(const AcceptArgs& in, const AcceptOutputs& out, void* stream);
