@@ -568,11 +568,7 @@ __device__ bool rise(const double* score, int count, double& tau, int& live, int
 // through shared memory with a barrier each. Equal keys never swap.
 __device__ void chunk_steps(unsigned long long* keys, int16_t* slots, int n, int k_first, int k_last) {
   const int lane = threadIdx.x % kWarp;
-  // The loop's bounds shuffled from lane 0: the compiler then sees its trips warp-uniform and puts
-  // no divergence check (BRA.DIV) before each shuffle inside.
-  const int first = __shfl_sync(kFullMask, 64 * static_cast<int>(threadIdx.x / kWarp), 0);
-  n = __shfl_sync(kFullMask, n, 0);
-  for (int base = first; base < n; base += 64 * (kBlock / kWarp)) {
+  for (int base = 64 * (threadIdx.x / kWarp); base < n; base += 64 * (kBlock / kWarp)) {
     unsigned long long key[2] = {keys[base + lane], keys[base + 32 + lane]};
     int slot[2] = {slots[base + lane], slots[base + 32 + lane]};
     for (int k = k_first; k <= k_last; k *= 2) {
@@ -875,9 +871,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       // Candidates: the live slots. Clear the pool's marks.
       if (tid == 0) sh.m = 0;
       __syncthreads();
-      // Warp-uniform trips (bounds shuffled from lane 0 so the compiler knows: no BRA.DIV).
-      const int first = __shfl_sync(kFullMask, tid - tid % kWarp, 0), end = __shfl_sync(kFullMask, count, 0);
-      for (int s0 = first; s0 < end; s0 += kBlock) {
+      for (int s0 = tid - tid % kWarp; s0 < count; s0 += kBlock) {  // warp-uniform trips
         const int s = s0 + tid % kWarp;
         const bool is_live = s > 0 && s < count && p_score[s] >= tau;
         if (s < count) {
