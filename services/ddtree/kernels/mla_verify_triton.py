@@ -216,12 +216,13 @@ def _merge_splits(OPart, LsePart, Out, Lse, n_rows, H, num_splits, stride_or, st
     acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     if SPLIT_BLOCKS:
         pair = tl.program_id(0).to(tl.int64)
+        top1 = tl.max(top_safe, 0)  # the one pair's
         w_sum = tl.zeros([BLOCK_S], tl.float32)
         acc_s = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
         for s0 in range(0, num_splits, BLOCK_S):
             split_rows = (s0 + ss).to(tl.int64) * n_rows + pair
             ok_s = (s0 + ss) < num_splits
-            w_s = tl.exp(tl.load(LsePart + split_rows, mask=ok_s, other=float("-inf")) - tl.max(top_safe, 0))
+            w_s = tl.exp(tl.load(LsePart + split_rows, mask=ok_s, other=float("-inf")) - top1)
             o_s = tl.load(OPart + (split_rows * C)[:, None] + cc[None, :], mask=ok_s[:, None], other=0.0)
             acc_s += w_s[:, None] * o_s  # empty splits: lse -inf, weight 0
             w_sum += w_s
