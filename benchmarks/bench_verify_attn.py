@@ -135,12 +135,11 @@ def copy_pair(nbytes: float) -> tuple[torch.Tensor, torch.Tensor]:
     return src, torch.empty_like(src)
 
 
-def copy_us(nbytes: float, timer=None) -> float:
-    """The copy ceiling: the faster of a device copy (cudaMemcpyAsync) and an elementwise copy
-    kernel of the same bytes, timed by `timer` (default `timed`). Under CUDA-graph capture the
+def copy_us(src: torch.Tensor, dst: torch.Tensor, timer=None) -> float:
+    """The copy ceiling for a `copy_pair`: the faster of a device copy (cudaMemcpyAsync) and an
+    elementwise copy kernel, timed by `timer` (default `timed`). Under CUDA-graph capture the
     memcpy becomes a graph memcpy node, which measured 2.5-2.8 TB/s on the H200 where the kernel
     copy kept 3.6-4.2 (2026-11-30, 75-604 MB); eagerly the kernel is also faster below ~100 MB."""
-    src, dst = copy_pair(nbytes)
     timer = timer or timed
     return min(timer(lambda: dst.copy_(src)), timer(lambda: torch.add(src, 0, out=dst)))
 
@@ -216,8 +215,9 @@ def decode_row(work, gen, batch: int, nodes: int, heads: int, prefix: int) -> st
     inputs = work.case(batch, nodes, heads, prefix, gen)
     kv_bound = inputs[3].shape[1] * PAGE
     _, nbytes = counts(batch, nodes, heads, prefix)
-    copy_e = nbytes / copy_us(nbytes) / 1e3
-    copy_g = nbytes / copy_us(nbytes, graph_us) / 1e3
+    pair = copy_pair(nbytes)
+    copy_e = nbytes / copy_us(*pair) / 1e3
+    copy_g = nbytes / copy_us(*pair, graph_us) / 1e3
     kernel, name = shipped_kernel(inputs)
     triton_cfg = launch_config(nodes * heads, batch, kv_bound, torch.device("cuda"))
     if name == "wgmma":
@@ -367,7 +367,7 @@ def run_grid(args) -> list[dict]:
                             if row["kernel"] != "triton" else row["us"])
         mm_us, mm_flops = matmul_us(flops)
         row["mm_tflops"] = mm_flops / mm_us / 1e6
-        row["copy_gbs"] = nbytes / copy_us(nbytes) / 1e3
+        row["copy_gbs"] = nbytes / copy_us(*copy_pair(nbytes)) / 1e3
         ref_bytes = batch * nodes * heads * (prefix + nodes) * 4 * 3 + batch * (prefix + nodes) * (C + R) * 4 * 2
         row["ref_us"] = (timed(lambda: mla_verify_attention_reference(*inputs, scale), 0.05, 3)
                          if ref_bytes < 4e9 else float("nan"))
