@@ -207,9 +207,9 @@ DECODE_HEADER = ("verify_decode batch nodes  h  prefix | dispatcher's kernel    
 
 
 def decode_row(work, gen, batch: int, nodes: int, heads: int, prefix: int) -> str:
-    """One decode shape: the kernel the model's dispatcher runs ("new": wgmma for >= 64 rows per
-    request on sm_90, else the Triton kernel's launch_config) against the Triton kernel's default
-    launch ("old"; the same call for rows < 64), eager and graph timing; `diff`: max |new - old| over
+    """One decode shape: the kernel the model's dispatcher runs ("new": wgmma on sm_90, else the
+    Triton kernel's launch_config) against the Triton kernel's default launch ("old"; the same call
+    where the dispatcher runs Triton), eager and graph timing; `diff`: max |new - old| over
     max |old|; `same`: the new output is bitwise the same after all the graph replays."""
     from ddtree.kernels import launch_config, mla_verify_attention_triton
     inputs = work.case(batch, nodes, heads, prefix, gen)
@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
                 "device copy of the same bytes; mask%: time over the same kernel with the tail mask off\n"
                 "(mask%_g: the same under CUDA-graph replay, free of host noise);\n"
                 "xref: torch reference time over kernel time (nan: reference skipped, > 4 GB);\n"
-                "kernel: what the model's dispatcher runs (wgmma: >= 64 rows per request on sm_90);\n"
+                "kernel: what the model's dispatcher runs (wgmma on sm_90 since 2026-11-30, for any rows; until then >= 64 rows);\n"
                 "triton_us: the Triton kernel on the same inputs, same run; xtriton = triton_us / us;\n"
                 "graph_us: the dispatcher's kernel under CUDA-graph replay (no host gaps between its kernel and\n"
                 "merge launches), %mm_g / %copy_g against the same (eager) ceilings\n"

@@ -1,7 +1,7 @@
 """The Hopper (Gluon, wgmma) verify-attention kernel against the float64 torch reference.
 
-On an sm_90 GPU: the issue grid's cases with >= 64 rows per request (the shapes it serves), split
-counts, a row that sees nothing and the dispatcher's choice. Anywhere: the kernel compiles for
+On an sm_90 GPU: the issue grid's cases (decode, chains, trees), split counts, a row that sees
+nothing and the dispatcher's choice. Anywhere: the kernel compiles for
 sm_90a offline within the shared-memory limit, and the split rule.
 """
 from __future__ import annotations
@@ -31,9 +31,10 @@ def inputs_for(prefixes, tail, heads, page_size, kind, seed):
     return make_inputs(prefixes, tail, heads, page_size, mask, gen, c=C, r=R, device="cuda", dtype=torch.bfloat16)
 
 
-# The issue grid's cases with >= 64 rows per request: trees of 64 and 256 tokens, chains of 8 at h 8 and 16.
+# The issue grid's cases: decode (1 token: 8 or 16 of a row block's 64 rows), chains of 8, trees of 64 and
+# 256 tokens, at h 8 and 16.
 CASES = [(t, h, [p, p // 3 + 1, max(p - 17, 0)], ps, kind)
-         for t, kind in ((8, "chain"), (64, "tree"), (256, "tree"))
+         for t, kind in ((1, "chain"), (8, "chain"), (64, "tree"), (256, "tree"))
          for h in (8, 16) for p in (0, 1, 63, 64, 1000, 8191) for ps in (16, 64)]
 
 
@@ -100,7 +101,7 @@ def test_bad_table_entries_never_fault():
 
 
 @gpu
-def test_dispatcher_uses_wgmma_for_64_rows_and_triton_below(monkeypatch):
+def test_dispatcher_uses_wgmma_for_any_rows_and_triton_for_small_pages(monkeypatch):
     import ddtree.kernels.mla_verify_triton as triton_module
     import ddtree.kernels.mla_verify_wgmma as wgmma_module
     from ddtree.models.mla_attention import mla_verify_attention
@@ -110,8 +111,9 @@ def test_dispatcher_uses_wgmma_for_64_rows_and_triton_below(monkeypatch):
         monkeypatch.setattr(module, name, lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
     mla_verify_attention(*inputs_for([100, 5], 8, 8, 16, "chain", 1), 0.1)   # 64 rows per request
     mla_verify_attention(*inputs_for([100, 5], 4, 8, 16, "chain", 1), 0.1)   # 32
+    mla_verify_attention(*inputs_for([100, 5], 1, 8, 16, "chain", 1), 0.1)   # decode: 8
     mla_verify_attention(*inputs_for([100, 5], 8, 8, 4, "chain", 1), 0.1)    # page size 4: not for TMA boxes
-    assert calls == ["mla_verify_attention_wgmma", "mla_verify_attention_triton", "mla_verify_attention_triton"]
+    assert calls == ["mla_verify_attention_wgmma"] * 3 + ["mla_verify_attention_triton"]
     monkeypatch.setenv("DDTREE_VERIFY_ATTN", "triton")
     mla_verify_attention(*inputs_for([100, 5], 8, 8, 16, "chain", 1), 0.1)
     assert calls[-1] == "mla_verify_attention_triton"
@@ -157,11 +159,12 @@ def test_config_rule():
     assert wgmma_config(1024, 1, 8192, 132) == (*TILE, 8)      # 16 row blocks x 8 splits of 1024 keys
     assert wgmma_config(64, 64, 8192, 132) == (*TILE, 2)       # 64 row blocks x 2 splits fill the SMs
     assert wgmma_config(64, 64, 1024, 132) == (*TILE, 2)       # 2 splits of 512 keys
-    assert wgmma_config(64, 64, 1000, 132) == (*TILE, 1)       # splits would be shorter than 512 keys
+    assert wgmma_config(64, 64, 200, 132) == (*TILE, 1)        # splits would be shorter than 128 keys
     assert wgmma_config(64, 16, 8192, 132) == (*TILE, 8)
-    assert wgmma_config(64, 1, 8192, 132) == (*TILE, 64)       # few row blocks: splits of 128 keys
+    assert wgmma_config(8, 16, 1024, 132) == (*TILE, 8)        # decode at h 8: 8 splits of 128 keys
+    assert wgmma_config(64, 1, 8192, 132) == (*TILE, 64)       # one row block: splits of 128 keys
     assert wgmma_config(512, 1, 1024, 132) == (*TILE, 8)
-    assert wgmma_config(64, 1, 100, 132) == (*TILE, 1)         # too short to split
+    assert wgmma_config(16, 1, 100, 132) == (*TILE, 1)         # too short to split
 
 
 def test_dispatcher_falls_back_when_the_wgmma_module_cannot_load(monkeypatch):
@@ -186,10 +189,10 @@ def test_verify_kernel_choice(monkeypatch):
     from ddtree.kernels import dispatch
     seen = []
     monkeypatch.setattr(dispatch, "triton_verify_supported", lambda q, r, c: True)
-    monkeypatch.setattr(dispatch, "wgmma_verify_wanted", lambda q, r, c, rows: seen.append(rows) or rows >= 64)
+    monkeypatch.setattr(dispatch, "wgmma_verify_wanted", lambda q, r, c, rows: seen.append(rows) or rows >= 1)
     q, mask = torch.zeros(2 * 9, 8, 4), torch.zeros(2, 9, 1)
     assert dispatch.verify_kernel(q, q, q, mask)[0] == "wgmma" and seen == [72]
-    assert dispatch.verify_kernel(q[:8], q, q, torch.zeros(2, 4, 1))[0] == "triton" and seen[-1] == 32
+    assert dispatch.verify_kernel(q[:8], q, q, torch.zeros(2, 4, 1))[0] == "wgmma" and seen[-1] == 32
     assert dispatch.verify_kernel(q, q, q, torch.zeros(2, 9))[0] == "triton" and seen[-1] == 0
     assert dispatch.verify_kernel(q, q, q, "not a tensor")[0] == "triton" and seen[-1] == 0
     monkeypatch.setattr(dispatch, "triton_verify_supported", lambda q, r, c: False)

@@ -1,8 +1,8 @@
 """ddtree.kernels: GPU kernels written in Triton and Gluon (the C++/CUDA ones live in csrc/ -> ddtree._C).
 
 models.mla_attention.mla_verify_attention dispatches (kernels.dispatch) to `mla_verify_attention_wgmma`
-(sm_90, >= 64 rows per request) or `mla_verify_attention_triton` on CUDA. Triton is imported only
-when a kernel is used.
+(sm_90, any rows per request) or `mla_verify_attention_triton` (other GPUs, page sizes TMA cannot
+read) on CUDA. Triton is imported only when a kernel is used.
 """
 from __future__ import annotations
 

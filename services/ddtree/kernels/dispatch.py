@@ -1,5 +1,5 @@
-"""Which verify-attention implementation runs: the Hopper wgmma kernel for >= 64 rows per request
-on sm_90, the Triton kernel where it applies, else torch. DDTREE_VERIFY_ATTN=torch forces the
+"""Which verify-attention implementation runs: the Hopper wgmma kernel on sm_90 (any rows per
+request), the Triton kernel where it applies, else torch. DDTREE_VERIFY_ATTN=torch forces the
 reference, =triton the Triton kernel (A/B comparisons, debugging)."""
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ def triton_verify_supported(q_latent: torch.Tensor, q_rope: torch.Tensor, cache:
 def wgmma_verify_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                         rows_per_request: int) -> bool:
     """For inputs the Triton kernel takes: True where the wgmma kernel serves them (sm_90, C 512,
-    R 64, >= 64 rows per request, a TMA-readable cache) and DDTREE_VERIFY_ATTN is not `triton`."""
-    if os.environ.get("DDTREE_VERIFY_ATTN", "auto") == "triton" or rows_per_request < 64 or not q_latent.is_cuda:
+    R 64, a TMA-readable cache) and DDTREE_VERIFY_ATTN is not `triton`. Decode and small trees
+    included: on the H200 it beat the Triton kernel on every decode shape swept (B 1-64, h 8/16,
+    1k-32k: 0.56-0.96x its time under graph replay; docs/verify_attention.md)."""
+    if os.environ.get("DDTREE_VERIFY_ATTN", "auto") == "triton" or rows_per_request < 1 or not q_latent.is_cuda:
         return False
     supported = _wgmma_supported_fn()
     return supported is not None and supported(q_latent, q_rope, cache, rows_per_request)

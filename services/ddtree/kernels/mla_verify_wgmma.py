@@ -1,4 +1,4 @@
-"""Tree-verify MLA attention for Hopper in Gluon: the compute-bound path (>= 64 rows per request).
+"""Tree-verify MLA attention for Hopper in Gluon: every row count on sm_90 (trees, chains, decode).
 
 FlashMLA's scheme, warp-specialized: one program owns 64 query rows (tail token x head pairs of
 one request) and runs two warpgroups.
@@ -41,12 +41,11 @@ TILE = (64, 2)  # (BLOCK_N, STAGES): m64n64 scores, 2 tiles in flight (3 do not 
                 # for the same bytes in flight, measured 5-15% slower on 64-row decode (H200, 2026-11-30)
 WARPS = 4     # per warpgroup: the softmax warpgroup (the launch's warps) plus the value warpgroup
 VALUE_REGS = 232  # registers per thread of the value warpgroup (setmaxnreg)
-MIN_SPLIT_KEYS = 512   # a split reads at least this many keys (H200 graph replay, B 64, 4 nodes x h 16, 1k:
-                       # 2 splits of 512 42.7 us, 1 split 47.3; 1024 until the merge launch was made 10x
-                       # faster, when 2 splits took 88 us)
-FEW_PROGRAMS = 8       # ... or 128 keys when there are at most this many row blocks in all: latency-bound,
-                       # more programs stream more and the merge is small (CUDA-graph replay, B 1, 8k:
-                       # 64 rows 64 splits 20.3 us, 16: 26.9; 128 rows 64 splits 21.3 us, 8: 41.8)
+MIN_SPLIT_KEYS = 128   # a split reads at least this many keys. H200 graph replay, 2026-11-30: splits of 128
+                       # keys (or as many as fill the SMs once) were fastest or within 5% on every decode and
+                       # small-tree shape swept, e.g. B 16 decode at 1k 14.8 us against 24.5 with 512-key
+                       # splits, B 16 x 4 nodes x h 16 at 1k 23.0 against 28.8 (.diag/s10c.py). It was 512
+                       # (128 for <= 8 row blocks) while only trees of >= 64 rows ran here.
 _SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)  # wgmma / TMA operands
 _NO_SPECIALIZE = ["T", "H", "W", "max_pages", "num_pages", "num_splits", "stride_ls", "stride_tb", "stride_lr"]
 
@@ -325,13 +324,14 @@ def _is_sm90(index: int) -> bool:
 
 def wgmma_verify_supported(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                            rows_per_request: int) -> bool:
-    """The inputs this kernel serves: sm_90, C = 512, R = 64, at least BLOCK_M rows per request
-    (fewer rows stream the KV cache: the Triton kernel's split path), and a cache TMA can read as
-    one [pages * page_size, C + R] matrix: pages packed, a power-of-two page size >= 16 (16, 64 and
-    128 tested), rows 16-byte aligned, fewer than 2^31 rows."""
+    """The inputs this kernel serves: sm_90, C = 512, R = 64, any rows per request (fewer than
+    BLOCK_M fill part of one row block: decode at h 8 computes 8 of its 64 rows, and still streams
+    the cache faster than the Triton kernel, whose loads are per-thread copies), and a cache TMA
+    can read as one [pages * page_size, C + R] matrix: pages packed, a power-of-two page size >= 16
+    (16, 64 and 128 tested), rows 16-byte aligned, fewer than 2^31 rows."""
     pages, page_size, width = cache.shape
     return (q_latent.is_cuda and q_latent.shape[-1] == 512 and q_rope.shape[-1] == 64
-            and rows_per_request >= BLOCK_M
+            and rows_per_request >= 1
             and page_size >= 16 and page_size & (page_size - 1) == 0
             and cache.stride(2) == 1 and cache.stride(0) == page_size * cache.stride(1)
             and (cache.stride(1) * cache.element_size()) % 16 == 0 and cache.data_ptr() % 16 == 0
@@ -368,11 +368,10 @@ def _kv_descriptors(cache: torch.Tensor, c: int, r: int, block_n: int) -> tuple:
 
 def wgmma_config(rows_per_request: int, batch: int, max_kv_len: int, sms: int) -> tuple[int, int, int]:
     """(BLOCK_N, STAGES, splits). Programs are one per SM (~224 KB of shared memory each). When the
-    row blocks alone do not fill the SMs, each request's KV range is split so they do, each split
-    at least MIN_SPLIT_KEYS keys (128 for at most FEW_PROGRAMS row blocks)."""
+    row blocks alone do not fill the SMs, each request's KV range is split so they do (one wave),
+    each split at least MIN_SPLIT_KEYS keys."""
     programs = batch * triton.cdiv(rows_per_request, BLOCK_M)
-    min_keys = 128 if programs <= FEW_PROGRAMS else MIN_SPLIT_KEYS
-    splits = 1 if programs >= sms else max(1, min(max(max_kv_len, 1) // min_keys, sms // programs))
+    splits = 1 if programs >= sms else max(1, min(max(max_kv_len, 1) // MIN_SPLIT_KEYS, sms // programs))
     return (*TILE, splits)
 
 
@@ -397,7 +396,7 @@ def mla_verify_attention_wgmma(
     fp32 partials merged by a second launch."""
     b, t, heads, c, r = check_verify_inputs(q_latent, q_rope, cache, block_table, prefix_lens, mask, out, lse)
     if not wgmma_verify_supported(q_latent, q_rope, cache, t * heads):
-        raise ValueError(f"the wgmma kernel needs sm_90, C 512, R 64, >= {BLOCK_M} rows per request and packed "
+        raise ValueError(f"the wgmma kernel needs sm_90, C 512, R 64, >= 1 row per request and packed "
                          f"pages of a power-of-two size >= 16; got {q_latent.device}, C {c}, R {r}, {t * heads} rows, "
                          f"cache {tuple(cache.shape)} strides {cache.stride()}")
     if check_values:
