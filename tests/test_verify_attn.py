@@ -6,6 +6,7 @@ tl.dot mishandles bf16 operands; the kernel's code path is the same for both dty
 """
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -267,10 +268,15 @@ def test_dispatcher_uses_kernel_on_cuda_and_reference_elsewhere(monkeypatch):
     gen = torch.Generator().manual_seed(11)
     inputs = make_inputs([20, 7], 5, 2, 16, tree_mask(2, 4, gen), gen)
     calls = []
-    import ddtree.kernels.mla_verify_triton as kernel_module
-    original = kernel_module.mla_verify_attention_triton
-    monkeypatch.setattr(kernel_module, "mla_verify_attention_triton",
-                        lambda *a, **k: calls.append(1) or original(*a, **k))
+    modules = {"mla_verify_attention_triton": "ddtree.kernels.mla_verify_triton",
+               "mla_verify_attention_wgmma": "ddtree.kernels.mla_verify_wgmma"}  # sm_90: wgmma, any rows
+    for name, module_name in modules.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # a Triton without Gluon: the Triton kernel serves every shape
+            continue
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _o=original, **k: calls.append(1) or _o(*a, **k))
     out, _ = mla_verify_attention(*inputs, 0.25)
     assert calls == ([1] if CUDA else [])
     want, _ = mla_verify_attention_reference(*[x.double() if x.is_floating_point() else x for x in inputs], 0.25)
