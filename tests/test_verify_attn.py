@@ -140,12 +140,13 @@ def test_fused_merge_matches_separate_merge(splits):
     check_against_reference(inputs, scale=0.3, config=(16, 16, 4, 1, splits, "fused"))
 
 
-@pytest.mark.parametrize("splits", [2, 3, 33])
+@pytest.mark.parametrize("splits", [2, 3, 33, 132])
 @pytest.mark.parametrize("sms", [1, 132])
 def test_merge_splits_matches_float64(splits, sms):
     """The second launch alone: pair counts that leave a partial program block (16, 4 or 1 pairs
-    per program as the SM count asks), split counts that leave a partial split group, empty splits
-    (lse -inf) and a pair no split saw (out 0, lse -inf), against the float64 formula."""
+    per program as the SM count asks; with 132 SMs one pair per program and narrowed column
+    blocks), split counts that leave a partial split group or fit one load (132 of 256), empty
+    splits (lse -inf) and a pair no split saw (out 0, lse -inf), against the float64 formula."""
     from ddtree.kernels.mla_verify_triton import merge_splits
     gen = torch.Generator().manual_seed(splits)
     rows, heads = 7, 3

@@ -249,6 +249,7 @@ def _merge_splits(OPart, LsePart, Out, Lse, n_rows, H, num_splits, stride_or, st
 
 MERGE_PROGRAMS_PER_SM = 4  # the merge launch's pairs per program shrink until about this many programs per SM
 SPLIT_BLOCKS_MIN_SPLITS = 32  # one pair per program and more splits than this: [16 splits, 128 cols] blocks
+MERGE_MIN_COLUMNS = 16  # columns per program when few pairs narrow the blocks (B 1: 8-16 pairs x 64-132 splits)
 
 
 def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -263,7 +264,11 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor
     One pair per program and more than SPLIT_BLOCKS_MIN_SPLITS splits read [16 splits, 128 columns]
     blocks (four-wide loads; 2026-11-30: 128 pairs x 64 splits 5.3 us against 6.4 reading one
     split at a time, 256 x 64 8.9 against 11.0, 128 x 132 8.6 against 12.4; 256 x 32 equal,
-    128 x 16 slower, 3.5 against 2.7). sms: the SM count to size for (default: the device's)."""
+    128 x 16 slower, 3.5 against 2.7). Where those blocks would leave fewer programs than SMs (B 1:
+    8-16 pairs), the column blocks narrow to about one program per SM, down to MERGE_MIN_COLUMNS,
+    and each loads all its splits at once (session 10, .diag/s10f.py: 8 pairs x 132 splits 6.0 ->
+    2.4 us, 16 x 132 6.2 -> 3.1, 8 x 64 3.4 -> 2.2; B 1 decode at 32k 22.6 -> 18.2 us under graph
+    replay). sms: the SM count to size for (default: the device's)."""
     splits, pairs, c = o_part.shape
     block_c = min(c, 128)
     if sms is None:  # off the GPU (the interpreter) an H200's 132, so it takes the same shapes
@@ -272,13 +277,19 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor
     while block_r > 1 and triton.cdiv(pairs, block_r) * (c // block_c) < MERGE_PROGRAMS_PER_SM * sms:
         block_r //= 2
     block_s = min(_pow2(splits), max(1, 16 // block_r))
+    split_blocks = block_r == 1 and splits > SPLIT_BLOCKS_MIN_SPLITS
+    if split_blocks and pairs * (c // block_c) < sms:
+        # Few pairs, many splits (B 1): narrower column blocks, about one program per SM, each
+        # reading all its splits in one [pow2(splits), BLOCK_C] load of <= 8K values where they fit.
+        while block_c > MERGE_MIN_COLUMNS and pairs * (c // block_c) < sms:
+            block_c //= 2
+        block_s = min(_pow2(splits), max(16, 8192 // block_c))
     launch = {"num_warps": 4} if o_part.device.type == "cuda" else {}
     if pdl:
         launch.update(launch_pdl=True)
     _merge_splits[(triton.cdiv(pairs, block_r), c // block_c)](
         o_part, lse_part, out, lse, pairs, heads, splits, out.stride(0), out.stride(1), lse.stride(0),
-        C=c, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_S=block_s,
-        SPLIT_BLOCKS=block_r == 1 and splits > SPLIT_BLOCKS_MIN_SPLITS, PDL=pdl, **launch)
+        C=c, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_S=block_s, SPLIT_BLOCKS=split_blocks, PDL=pdl, **launch)
 
 
 @functools.cache
