@@ -148,6 +148,15 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
     const int next_live = min(min(live - 1 + offers, M * kWarp), budget - n);
 
     // Shift: new[j] = old[j+1] before q1, s1 at q1, old[j] up to q2, s2 at q2, old[j-1] after.
+    if constexpr (M == 1) {  // one row: each lane reads its source lane directly (q1 <= live - 1 <= 31)
+      const int src = lane < q1 ? lane + 1 : (lane < q2 ? lane : lane - 1);
+      const double moved_s = __shfl_sync(kFullMask, score[0], src);
+      const uint32_t moved_c = __shfl_sync(kFullMask, cand[0], src);
+      score[0] = lane == q1 ? s1 : (lane == q2 ? s2 : moved_s);
+      cand[0] = lane == q1 ? c1 : (lane == q2 ? c2 : moved_c);
+      live = next_live;
+      continue;
+    }
     // old[j-1] / old[j+1] come from the neighbour lane (row k-1 / k+1 across the warp edge).
     double up_s_prev = 0.0, down_s = 0.0;
     uint32_t up_c_prev = 0, down_c = 0;
