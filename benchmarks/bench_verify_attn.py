@@ -220,11 +220,11 @@ def decode_row(work, gen, batch: int, nodes: int, heads: int, prefix: int) -> st
     copy_g = nbytes / copy_us(*pair, graph_us) / 1e3
     kernel, name = shipped_kernel(inputs)
     triton_cfg = launch_config(nodes * heads, batch, kv_bound, torch.device("cuda"))
-    if name == "wgmma":
+    if name != "triton":
         from ddtree.kernels.mla_verify_wgmma import wgmma_config
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         bn, stages, splits = wgmma_config(nodes * heads, batch, kv_bound, sms)
-        labels = (f"wgmma/{bn}/{stages}s/x{splits}", cfg_str(triton_cfg))
+        labels = (f"{name}/{bn}/{stages}s/x{splits}", cfg_str(triton_cfg))
     else:
         labels = (cfg_str(triton_cfg), cfg_str(triton_cfg))
     calls = (lambda: kernel(*inputs, 0.05), lambda: mla_verify_attention_triton(*inputs, 0.05))
@@ -333,9 +333,13 @@ def run_sweep(args) -> list[str]:
 
 
 def shipped_kernel(inputs) -> tuple:
-    """(kernel, name) that the model's dispatcher runs for these CUDA inputs: wgmma or triton."""
+    """(kernel, name) that the model's dispatcher runs for these CUDA inputs: wgmma (its row-block
+    kernel), wgmmaT (its transposed kernel, <= FEW_ROWS rows per request) or triton."""
     from ddtree.kernels.dispatch import verify_kernel
     name, kernel = verify_kernel(inputs[0], inputs[1], inputs[2], inputs[5])
+    if name == "wgmma":
+        from ddtree.kernels.mla_verify_wgmma import FEW_ROWS
+        name = "wgmmaT" if inputs[5].shape[1] * inputs[0].shape[1] <= FEW_ROWS else name
     return kernel, name
 
 
@@ -525,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
                 "device copy of the same bytes; mask%: time over the same kernel with the tail mask off\n"
                 "(mask%_g: the same under CUDA-graph replay, free of host noise);\n"
                 "xref: torch reference time over kernel time (nan: reference skipped, > 4 GB);\n"
-                "kernel: what the model's dispatcher runs (wgmma on sm_90 since 2026-11-30, for any rows; until then >= 64 rows);\n"
+                "kernel: what the model's dispatcher runs (wgmma on sm_90 since 2026-11-30, for any rows; until then >= 64 rows;\n"
+                "wgmmaT: its transposed kernel for <= 16 rows per request, since session 11);\n"
                 "triton_us: the Triton kernel on the same inputs, same run; xtriton = triton_us / us;\n"
                 "graph_us: the dispatcher's kernel under CUDA-graph replay (no host gaps between its kernel and\n"
                 "merge launches), %mm_g / %copy_g against the same (eager) ceilings\n"

@@ -31,10 +31,10 @@ def inputs_for(prefixes, tail, heads, page_size, kind, seed):
     return make_inputs(prefixes, tail, heads, page_size, mask, gen, c=C, r=R, device="cuda", dtype=torch.bfloat16)
 
 
-# The issue grid's cases: decode (1 token: 8 or 16 of a row block's 64 rows), chains of 8, trees of 64 and
-# 256 tokens, at h 8 and 16.
+# The issue grid's cases: decode (1 token: 8 or 16 rows), chains of 2 and 8, trees of 4, 64 and 256 tokens,
+# at h 8 and 16. Up to 16 rows per request (decode, 2-chains at h 8) run the transposed kernel.
 CASES = [(t, h, [p, p // 3 + 1, max(p - 17, 0)], ps, kind)
-         for t, kind in ((1, "chain"), (8, "chain"), (64, "tree"), (256, "tree"))
+         for t, kind in ((1, "chain"), (2, "chain"), (8, "chain"), (4, "tree"), (64, "tree"), (256, "tree"))
          for h in (8, 16) for p in (0, 1, 63, 64, 1000, 8191) for ps in (16, 64)]
 
 
@@ -56,25 +56,38 @@ def test_tiles_and_split_counts_agree_with_reference(tile, splits):
 
 
 @gpu
-def test_row_that_sees_nothing_gives_zero_and_minus_inf():
-    inputs = list(inputs_for([0, 70], 8, 16, 16, "chain", 3))
-    inputs[5] = inputs[5].clone()
-    inputs[5][0, 2] = 0  # request 0 (no prefix), tail row 2: sees no key at all
-    for config in ((64, 2, 1), (32, 4, 3)):
-        out, lse = kernel()(*inputs, 0.2, config=config)
-        assert torch.equal(out[2], torch.zeros_like(out[2])) and bool((lse[2] == float("-inf")).all())
-        assert out[3:].isfinite().all() and lse[3:].isfinite().all()
+@pytest.mark.parametrize("splits", [1, 2, 3, 8, 40])
+@pytest.mark.parametrize("tile", [(64, 2), (32, 4), (32, 2)])
+def test_few_rows_tiles_and_split_counts_agree_with_reference(tile, splits):
+    """12 rows per request (a partial 16-column tile): the transposed kernel at 64-key tiles, the
+    row-block kernel at 32-key tiles; splits beyond the tiles a request has."""
+    inputs = inputs_for([1000, 3, 130], 2, 6, 16, "tree", 9)
+    check_against_reference(kernel(), inputs, scale=0.3, config=(*tile, splits))
 
 
 @gpu
+@pytest.mark.parametrize("tail,heads", [(8, 16), (2, 8)])  # 128 rows; 16 rows (the transposed kernel)
+def test_row_that_sees_nothing_gives_zero_and_minus_inf(tail, heads):
+    inputs = list(inputs_for([0, 70], tail, heads, 16, "chain", 3))
+    inputs[5] = inputs[5].clone()
+    inputs[5][0, 1] = 0  # request 0 (no prefix), tail row 1: sees no key at all
+    for config in ((64, 2, 1), (32, 4, 3)):
+        out, lse = kernel()(*inputs, 0.2, config=config)
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and bool((lse[1] == float("-inf")).all())
+        assert out[2:].isfinite().all() and lse[2:].isfinite().all()
+
+
+@gpu
+@pytest.mark.parametrize("tail,heads", [(13, 5), (1, 16)])  # 65 rows; decode (the transposed kernel)
 @pytest.mark.parametrize("page_size", [16, 64, 128])
-def test_rows_past_the_sequence_never_leak(page_size):
+def test_rows_past_the_sequence_never_leak(page_size, tail, heads):
     """TMA copies whole boxes: the last tile's rows past a request's keys (and any page its table
     points at beyond them) come from stale cache rows. Every cache row that is not a visible key
     is NaN here; the output must still match the reference computed on a clean cache."""
     from ddtree.models.mla_attention import mla_verify_attention_reference
-    prefixes, tail, heads = [1000, 3, 130], 13, 5
-    q_latent, q_rope, cache, table, prefix, mask = inputs_for(prefixes, tail, heads, page_size, "tree", 5)
+    prefixes = [1000, 3, 130]
+    kind = "tree" if tail > 1 else "chain"
+    q_latent, q_rope, cache, table, prefix, mask = inputs_for(prefixes, tail, heads, page_size, kind, 5)
     want, want_lse = mla_verify_attention_reference(q_latent.double(), q_rope.double(), cache.double(), table,
                                                     prefix, mask, 0.1)
     keep = torch.zeros(cache.shape[:2], dtype=torch.bool, device=cache.device)
@@ -93,11 +106,12 @@ def test_rows_past_the_sequence_never_leak(page_size):
 def test_bad_table_entries_never_fault():
     """Page ids past the cache or negative are clamped (wrong rows, finite numbers), never an
     out-of-bounds read (run under compute-sanitizer memcheck on the device)."""
-    q_latent, q_rope, cache, table, prefix, mask = inputs_for([200, 70], 8, 16, 16, "chain", 9)
-    table = table.clone()
-    table[0, 3], table[1, 0] = 10**6, -5
-    out, lse = kernel()(q_latent, q_rope, cache, table, prefix, mask, 0.1)
-    assert out.isfinite().all() and lse.isfinite().all()
+    for tail in (8, 1):  # 128 rows; decode (the transposed kernel)
+        q_latent, q_rope, cache, table, prefix, mask = inputs_for([200, 70], tail, 16, 16, "chain", 9)
+        table = table.clone()
+        table[0, 3], table[1, 0] = 10**6, -5
+        out, lse = kernel()(q_latent, q_rope, cache, table, prefix, mask, 0.1)
+        assert out.isfinite().all() and lse.isfinite().all()
 
 
 @gpu
@@ -133,6 +147,20 @@ def test_compiles_for_sm90_within_shared_memory():
         assert ptx.count("cp.async.bulk.tensor") == 2 * 3 * tile[0] // 16
 
 
+def test_transposed_kernel_compiles_for_sm90_within_shared_memory():
+    """The few-rows kernel offline: per 64-key tile 36 score instructions m64nNk16 (N = 8 for <= 8
+    rows, 16 for <= 16) and 2 x 4 x 4 value ones (out^T in four 64-column tiles per half);
+    the prologue (one per stage) and the loop each issue a tile's 12 TMA boxes (16-key pages)."""
+    from ddtree.kernels.mla_decode_wgmma import DECODE_TILE, compile_decode_for_sm90
+    for rows, n in ((1, 8), (8, 8), (9, 16), (16, 16)):
+        for partial in (False, True):
+            compiled = compile_decode_for_sm90(rows, partial, page_size=16)
+            ptx = compiled.asm["ptx"]
+            assert compiled.metadata.shared <= 227 * 1024
+            assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16") == 68
+            assert ptx.count("cp.async.bulk.tensor") == (DECODE_TILE[1] + 1) * 3 * DECODE_TILE[0] // 16
+
+
 def test_descriptors_are_kept_per_layer_view_while_the_cache_lives():
     """The TMA descriptors are built once per layer's view of a model's cache (new view objects
     each call hit them), and go, memory included, when the cache tensor is freed."""
@@ -161,7 +189,10 @@ def test_config_rule():
     assert wgmma_config(64, 64, 1024, 132) == (*TILE, 2)       # 2 splits of 512 keys
     assert wgmma_config(64, 64, 200, 132) == (*TILE, 1)        # splits would be shorter than 128 keys
     assert wgmma_config(64, 16, 8192, 132) == (*TILE, 8)
-    assert wgmma_config(8, 16, 1024, 132) == (*TILE, 8)        # decode at h 8: 8 splits of 128 keys
+    assert wgmma_config(8, 16, 1024, 132) == (*TILE, 8)        # decode at h 8: 8 splits fill the SMs
+    assert wgmma_config(8, 1, 8192, 132) == (*TILE, 128)       # <= 16 rows: splits of one 64-key tile
+    assert wgmma_config(16, 1, 1024, 132) == (*TILE, 16)
+    assert wgmma_config(32, 1, 1024, 132) == (*TILE, 8)        # 32 rows: the row-block kernel's 128 keys
     assert wgmma_config(64, 1, 8192, 132) == (*TILE, 64)       # one row block: splits of 128 keys
     assert wgmma_config(512, 1, 1024, 132) == (*TILE, 8)
     assert wgmma_config(16, 1, 100, 132) == (*TILE, 1)         # too short to split

@@ -17,7 +17,8 @@ matrix (`wgmma_verify_supported`); the last tile's rows past the sequence are ze
 memory before use (TMA copies whole pages).
 
 Same contract, masking (prefix tiles unmasked, tail tiles through the ancestor bitmask), split-KV
-partials and merge kernel as the Triton kernel; sm_90 with C = 512, R = 64 only. Gluon kernels
+partials and merge kernel as the Triton kernel; sm_90 with C = 512, R = 64 only. Requests of at most
+FEW_ROWS rows (decode) run mla_decode_wgmma's transposed kernel instead, through the same entry. Gluon kernels
 have no interpreter: off the GPU they only compile (`compile_for_sm90`).
 """
 from __future__ import annotations
@@ -46,6 +47,11 @@ MIN_SPLIT_KEYS = 128   # a split reads at least this many keys. H200 graph repla
                        # small-tree shape swept, e.g. B 16 decode at 1k 14.8 us against 24.5 with 512-key
                        # splits, B 16 x 4 nodes x h 16 at 1k 23.0 against 28.8 (.diag/s10c.py). It was 512
                        # (128 for <= 8 row blocks) while only trees of >= 64 rows ran here.
+FEW_ROWS = 16  # rows per request up to which the transposed kernel (mla_decode_wgmma) runs. H200, graph replay,
+               # 2026-11-30 (.diag/s11b.py): decode 0.77-0.99x the row-block kernel's time (B 1 at 8k: 10.6
+               # against 15.8 us); 32 rows (2 x h 16, 4 x h 8) were 1.04-1.08x slower
+FEW_ROWS_MIN_SPLIT_KEYS = 64  # ... whose splits read at least one 64-key tile: B 1 decode at 8k 10.6 us with
+                              # 128 splits against 12.5 with 64 (its programs' fixed cost is lower)
 _SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)  # wgmma / TMA operands
 _NO_SPECIALIZE = ["T", "H", "W", "max_pages", "num_pages", "num_splits", "stride_ls", "stride_tb", "stride_lr"]
 
@@ -367,11 +373,12 @@ def _kv_descriptors(cache: torch.Tensor, c: int, r: int, block_n: int) -> tuple:
 
 
 def wgmma_config(rows_per_request: int, batch: int, max_kv_len: int, sms: int) -> tuple[int, int, int]:
-    """(BLOCK_N, STAGES, splits). Programs are one per SM (~224 KB of shared memory each). When the
-    row blocks alone do not fill the SMs, each request's KV range is split so they do (one wave),
-    each split at least MIN_SPLIT_KEYS keys."""
+    """(BLOCK_N, STAGES, splits). Programs are one per SM (~150-224 KB of shared memory each). When
+    the row blocks alone do not fill the SMs, each request's KV range is split so they do (one
+    wave), each split at least MIN_SPLIT_KEYS keys (FEW_ROWS_MIN_SPLIT_KEYS for <= FEW_ROWS rows)."""
     programs = batch * triton.cdiv(rows_per_request, BLOCK_M)
-    splits = 1 if programs >= sms else max(1, min(max(max_kv_len, 1) // MIN_SPLIT_KEYS, sms // programs))
+    min_keys = FEW_ROWS_MIN_SPLIT_KEYS if rows_per_request <= FEW_ROWS else MIN_SPLIT_KEYS
+    splits = 1 if programs >= sms else max(1, min(max(max_kv_len, 1) // min_keys, sms // programs))
     return (*TILE, splits)
 
 
@@ -407,6 +414,9 @@ def mla_verify_attention_wgmma(
     if config is None:
         config = wgmma_config(t * heads, b, block_table.shape[1] * cache.shape[1], _num_sms(device.index or 0))
     block_n, stages, splits = config
+    # Few rows: the keys-by-rows kernel (no 64-row padding), whose wgmma M is the 64-key tile; an explicit
+    # 32-key config runs the row-block kernel.
+    transposed = t * heads <= FEW_ROWS and block_n == 64
     if splits < 1 or block_n not in (32, 64) or not 2 <= stages <= 128 // block_n:
         raise ValueError(f"config (BLOCK_N, STAGES, splits) must have BLOCK_N 32 or 64, 2 <= STAGES <= "
                          f"128 / BLOCK_N and splits >= 1; got {config}")
@@ -418,14 +428,19 @@ def mla_verify_attention_wgmma(
         o_part = torch.empty(splits, rows * heads, c, dtype=torch.float32, device=device)
         lse_part = torch.empty(splits, rows * heads, dtype=torch.float32, device=device)
     kv_desc, rope_desc = _kv_descriptors(cache, c, r, block_n)
-    _verify_fwd_wgmma[grid](
-        q_latent, q_rope, kv_desc, rope_desc, table, prefix_lens, mask64, out, lse,
-        out if o_part is None else o_part, lse if lse_part is None else lse_part,
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), table.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0), rows * heads,
-        t, heads, mask64.shape[-1], cache.shape[1], table.shape[1], cache.shape[0], softmax_scale * _LOG2E, splits,
-        C=c, R=r, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages, PARTIAL=splits > 1, TAIL_MASK=tail_mask,
-        VALUE_REGS=VALUE_REGS, num_warps=WARPS)
+    if transposed:
+        from .mla_decode_wgmma import launch_decode
+        launch_decode(q_latent, q_rope, kv_desc, rope_desc, table, prefix_lens, mask64, out, lse, o_part, lse_part,
+                      t, heads, cache.shape[1], cache.shape[0], softmax_scale, config, tail_mask)
+    else:
+        _verify_fwd_wgmma[grid](
+            q_latent, q_rope, kv_desc, rope_desc, table, prefix_lens, mask64, out, lse,
+            out if o_part is None else o_part, lse if lse_part is None else lse_part,
+            q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), table.stride(0),
+            out.stride(0), out.stride(1), lse.stride(0), rows * heads,
+            t, heads, mask64.shape[-1], cache.shape[1], table.shape[1], cache.shape[0], softmax_scale * _LOG2E, splits,
+            C=c, R=r, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=stages, PARTIAL=splits > 1, TAIL_MASK=tail_mask,
+            VALUE_REGS=VALUE_REGS, num_warps=WARPS)
     if splits > 1:
         merge_splits(o_part, lse_part, out, lse, heads)
     return out, lse
