@@ -141,11 +141,11 @@ def test_fused_merge_matches_separate_merge(splits):
 
 
 @pytest.mark.parametrize("splits", [2, 3, 33, 132])
-@pytest.mark.parametrize("sms", [1, 132])
+@pytest.mark.parametrize("sms", [1, 24, 132])
 def test_merge_splits_matches_float64(splits, sms):
-    """The second launch alone: pair counts that leave a partial program block (16, 4 or 1 pairs
-    per program as the SM count asks; with 132 SMs one pair per program and narrowed column
-    blocks), split counts that leave a partial split group or fit one load (132 of 256), empty
+    """The second launch alone: pair counts that leave a partial program block (16, 2 or 1 pairs
+    per program as the SM count asks; with 24 SMs and 33 splits [8, 256] split blocks, with 132
+    splits [16, 128] ones; with 132 SMs one pair per program and narrowed column blocks), split counts that leave a partial split group or fit one load (132 of 256), empty
     splits (lse -inf) and a pair no split saw (out 0, lse -inf), against the float64 formula."""
     from ddtree.kernels.mla_verify_triton import merge_splits
     gen = torch.Generator().manual_seed(splits)

@@ -250,6 +250,8 @@ def _merge_splits(OPart, LsePart, Out, Lse, n_rows, H, num_splits, stride_or, st
 MERGE_PROGRAMS_PER_SM = 4  # the merge launch's pairs per program shrink until about this many programs per SM
 SPLIT_BLOCKS_MIN_SPLITS = 32  # one pair per program and more splits than this: [16 splits, 128 cols] blocks
 MERGE_MIN_COLUMNS = 16  # columns per program when few pairs narrow the blocks (B 1: 8-16 pairs x 64-132 splits)
+WIDE_MERGE_MAX_PAIRS = 1024   # up to this many pairs, 256-column blocks and ~2 programs per SM
+WIDE_SPLIT_BLOCKS_MAX_SPLITS = 48  # ... and split blocks of [8 splits, 256 cols] up to this many splits
 
 
 def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -268,16 +270,24 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor
     8-16 pairs), the column blocks narrow to about one program per SM, down to MERGE_MIN_COLUMNS,
     and each loads all its splits at once (session 10, .diag/s10f.py: 8 pairs x 132 splits 6.0 ->
     2.4 us, 16 x 132 6.2 -> 3.1, 8 x 64 3.4 -> 2.2; B 1 decode at 32k 22.6 -> 18.2 us under graph
-    replay). sms: the SM count to size for (default: the device's)."""
+    replay). Up to WIDE_MERGE_MAX_PAIRS pairs, 256-column blocks and ~2 programs per SM, and split
+    blocks of [8, 256] up to WIDE_SPLIT_BLOCKS_MAX_SPLITS splits (session 11, .diag/s11d.py, CUPTI):
+    256 x 33 7.1 -> 5.2 us, 512 x 16 5.2 -> 4.1, 256 x 8 2.9 -> 2.4, 1024 x 2 2.6 -> 2.3, 1024 x 8
+    equal; with more pairs (2048 x 4, 4096 x 2) or more splits (128 x 64: 5.5 -> 6.1) they were
+    slower. sms: the SM count to size for (default: the device's)."""
     splits, pairs, c = o_part.shape
-    block_c = min(c, 128)
+    wide = pairs <= WIDE_MERGE_MAX_PAIRS
+    block_c = min(c, 256 if wide else 128)
     if sms is None:  # off the GPU (the interpreter) an H200's 132, so it takes the same shapes
         sms = _num_sms(o_part.device.index or 0) if o_part.device.type == "cuda" else 132
     block_r = 16
-    while block_r > 1 and triton.cdiv(pairs, block_r) * (c // block_c) < MERGE_PROGRAMS_PER_SM * sms:
+    while block_r > 1 and triton.cdiv(pairs, block_r) * (c // block_c) < (2 if wide else MERGE_PROGRAMS_PER_SM) * sms:
         block_r //= 2
     block_s = min(_pow2(splits), max(1, 16 // block_r))
     split_blocks = block_r == 1 and splits > SPLIT_BLOCKS_MIN_SPLITS
+    if split_blocks:
+        block_c = min(c, 256 if splits <= WIDE_SPLIT_BLOCKS_MAX_SPLITS else 128)
+        block_s = min(_pow2(splits), 8 if splits <= WIDE_SPLIT_BLOCKS_MAX_SPLITS else 16)
     if split_blocks and pairs * (c // block_c) < sms:
         # Few pairs, many splits (B 1): narrower column blocks, about one program per SM, each
         # reading all its splits in one [pow2(splits), BLOCK_C] load of <= 8K values where they fit.
