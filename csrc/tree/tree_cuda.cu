@@ -122,7 +122,9 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
       const bool valid = j > 0 && j < live;
       ahead1[k] = valid && score[k] > s1;
       ahead2[k] = valid && score[k] > s2;
-      tie |= valid && ((offers >= 1 && score[k] == s1) || (offers >= 2 && score[k] == s2));
+      // Bitwise, not short-circuit: nvcc otherwise branches around the two compares (a divergent
+      // branch and a convergence barrier in every pop).
+      tie |= valid & (((offers >= 1) & (score[k] == s1)) | ((offers >= 2) & (score[k] == s2)));
     }
     if (__any_sync(kFullMask, tie)) {  // exactly equal scores: compare rank paths (rare)
       __syncwarp();                    // node n is visible to the tie-breaks
