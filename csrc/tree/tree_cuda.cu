@@ -113,15 +113,20 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
     const uint32_t c1 = child_first ? pack_candidate(n, 0, d + 1) : pack_candidate(p, r + 1, d);
     const uint32_t c2 = child_first ? pack_candidate(p, r + 1, d) : pack_candidate(n, 0, d + 1);
 
-    // Positions of the offers among the frontier without its head: count what pops first.
-    bool ahead1[M], ahead2[M];
+    // Positions of the offers among the frontier without its head: count what pops first. The
+    // ballots come straight from the compares; only a tie (rare) recomputes them, so the common
+    // path keeps its flags in predicates.
+    unsigned ahead1[M], ahead2[M];
     bool tie = false;
 #pragma unroll
     for (int k = 0; k < M; ++k) {
       const int j = k * kWarp + lane;
       const bool valid = j > 0 && j < live;
-      ahead1[k] = valid && score[k] > s1;
-      ahead2[k] = valid && score[k] > s2;
+      ahead1[k] = ahead2[k] = 0;
+      if (k * kWarp < live) {
+        ahead1[k] = __ballot_sync(kFullMask, valid && score[k] > s1);
+        ahead2[k] = __ballot_sync(kFullMask, valid && score[k] > s2);
+      }
       // Bitwise, not short-circuit: nvcc otherwise branches around the two compares (a divergent
       // branch and a convergence barrier in every pop).
       tie |= valid & (((offers >= 1) & (score[k] == s1)) | ((offers >= 2) & (score[k] == s2)));
@@ -131,19 +136,21 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
 #pragma unroll
       for (int k = 0; k < M; ++k) {
         const int j = k * kWarp + lane;
-        if (j > 0 && j < live) {
-          if (offers >= 1 && score[k] == s1) ahead1[k] = tie_pops_before(cand[k], c1, s_parent, s_rank);
-          if (offers >= 2 && score[k] == s2) ahead2[k] = tie_pops_before(cand[k], c2, s_parent, s_rank);
+        const bool valid = j > 0 && j < live;
+        bool a1 = valid && score[k] > s1, a2 = valid && score[k] > s2;
+        if (valid && offers >= 1 && score[k] == s1) a1 = tie_pops_before(cand[k], c1, s_parent, s_rank);
+        if (valid && offers >= 2 && score[k] == s2) a2 = tie_pops_before(cand[k], c2, s_parent, s_rank);
+        if (k * kWarp < live) {
+          ahead1[k] = __ballot_sync(kFullMask, a1);
+          ahead2[k] = __ballot_sync(kFullMask, a2);
         }
       }
     }
     int q1 = 0, q2 = 1;  // s1 goes before s2
 #pragma unroll
     for (int k = 0; k < M; ++k) {
-      if (k * kWarp < live) {
-        q1 += __popc(__ballot_sync(kFullMask, ahead1[k]));
-        q2 += __popc(__ballot_sync(kFullMask, ahead2[k]));
-      }
+      q1 += __popc(ahead1[k]);
+      q2 += __popc(ahead2[k]);
     }
     if (offers < 1) q1 = kNoPosition;
     if (offers < 2) q2 = kNoPosition;
