@@ -85,9 +85,9 @@ def _launch_cuda(kernel, args, device: torch.device) -> None:
 
 
 CUDA_KERNELS = ("auto", "block", "warp")
-# H200, D 16, K = budget, batch 64, kernel time (µs) block / warp (kernels.txt, 2026-11-30 09:21):
-# 16: 14.2 / 5.0, 32: 15.6 / 7.9, 64: 26.6 / 14.3, 128: 29.6 / 40.4, 256: 41.1 / 122, 384: 56.5 / 274,
-# 512: 66.1 / 453, 1024: 132 / 1807 (batch 128 within 6%). Hence the block kernel from 128 up. A
+# H200, D 16, K = budget, batch 64, kernel time (µs) block / warp (kernels.txt, 2026-11-30 10:20):
+# 16: 14.1 / 4.3, 32: 15.6 / 6.5, 64: 26.6 / 11.6, 128: 29.5 / 33.3, 256: 41.1 / 100, 384: 56.8 / 210,
+# 512: 66.0 / 374, 1024: 132 / 1358 (batch 128 within 6%). Hence the block kernel from 128 up. A
 # request whose rows overflow the block kernel's pool (peaked rows at budgets >= ~768) falls back
 # to the warp loop inside it, which then sets the batch's time: ~7% over the warp kernel alone.
 BLOCK_KERNEL_BUDGETS = range(128, 1025)
