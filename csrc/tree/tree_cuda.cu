@@ -87,11 +87,16 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
   }
   int live = 1;
   const int up_lane = (lane + kWarp - 1) % kWarp, down_lane = (lane + 1) % kWarp;
+  // Position 0 (the head), known to every lane: after a pop it is the first offer if that goes to
+  // position 0, else the old position 1, whose shuffle issues before the pop's own work. So the
+  // next pop's loads wait for the offers' counts only, not for the array's shift.
+  double head_score = static_cast<double>(s_lp[0]);
+  uint32_t head = pack_candidate(0, 0, 1);
 
   int n = 0;
   while (n < budget && live > 0) {
-    const double head_score = __shfl_sync(kFullMask, score[0], 0);
-    const uint32_t head = __shfl_sync(kFullMask, cand[0], 0);
+    const double second_score = __shfl_sync(kFullMask, score[0], 1);
+    const uint32_t second = __shfl_sync(kFullMask, cand[0], 1);
     ++n;
     const int p = candidate_parent(head), r = candidate_rank(head), d = candidate_depth(head);
     if (lane == 0) {
@@ -154,6 +159,8 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
     }
     if (offers < 1) q1 = kNoPosition;
     if (offers < 2) q2 = kNoPosition;
+    head_score = q1 == 0 ? s1 : second_score;
+    head = q1 == 0 ? c1 : second;
     const int next_live = min(min(live - 1 + offers, M * kWarp), budget - n);
 
     // Shift: new[j] = old[j+1] before q1, s1 at q1, old[j] up to q2, s2 at q2, old[j-1] after.
