@@ -1,4 +1,4 @@
-"""Verify attention for few rows per request (decode, short chains, small trees) on Hopper, transposed.
+"""Verify attention for few rows per request (decode; 2-token chains at h 8) on Hopper, transposed.
 
 The row-block kernel (mla_verify_wgmma) computes 64 rows per program because a wgmma tile is 64
 rows tall; decode at h 8 fills 8 of them, so 7/8 of its tensor work is padding, and at B 64 / 32k
@@ -18,13 +18,15 @@ from __future__ import annotations
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
+from triton.runtime.jit import constexpr_function
 
 from .mla_verify_wgmma import _load_kv_tile, _rows_layout, _zero_rows_from
 
 DECODE_TILE = (64, 2)  # (BLOCK_N, STAGES): wgmma M is the key tile, so 64 keys; 3 stages of 64 do not fit 227 KB
+
+
 @constexpr_function
 def _p_layout(nr):
     """P^T [BLOCK_N, NR] in shared memory (the B operand of out^T, N-major): swizzled across its rows'

@@ -400,7 +400,8 @@ def mla_verify_attention_wgmma(
     """Same contract as mla_verify_triton.mla_verify_attention_triton, for inputs that
     `wgmma_verify_supported` accepts (ValueError otherwise). config: (BLOCK_N, STAGES, splits),
     default `wgmma_config`; BLOCK_N 32 or 64 with STAGES * BLOCK_N <= 128; more than one split writes
-    fp32 partials merged by a second launch."""
+    fp32 partials merged by a second launch. Requests of <= FEW_ROWS rows with 64-key tiles run the
+    transposed kernel (mla_decode_wgmma), the rest the row-block kernel."""
     b, t, heads, c, r = check_verify_inputs(q_latent, q_rope, cache, block_table, prefix_lens, mask, out, lse)
     if not wgmma_verify_supported(q_latent, q_rope, cache, t * heads):
         raise ValueError(f"the wgmma kernel needs sm_90, C 512, R 64, >= 1 row per request and packed "
