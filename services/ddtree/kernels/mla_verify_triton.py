@@ -250,7 +250,8 @@ def _merge_splits(OPart, LsePart, Out, Lse, n_rows, H, num_splits, stride_or, st
 MERGE_PROGRAMS_PER_SM = 4  # the merge launch's pairs per program shrink until about this many programs per SM
 SPLIT_BLOCKS_MIN_SPLITS = 32  # one pair per program and more splits than this: [16 splits, 128 cols] blocks
 MERGE_MIN_COLUMNS = 16  # columns per program when few pairs narrow the blocks (B 1: 8-16 pairs x 64-132 splits)
-WIDE_MERGE_MAX_PAIRS = 1024   # up to this many pairs, 256-column blocks and ~2 programs per SM
+WIDE_MERGE_MAX_PAIRS = 1024   # up to this many pairs, 256-column blocks and WIDE_MERGE_PROGRAMS_PER_SM
+WIDE_MERGE_PROGRAMS_PER_SM = 2
 WIDE_SPLIT_BLOCKS_MAX_SPLITS = 48  # ... and split blocks of [8 splits, 256 cols] up to this many splits
 
 
@@ -281,7 +282,8 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor
     if sms is None:  # off the GPU (the interpreter) an H200's 132, so it takes the same shapes
         sms = _num_sms(o_part.device.index or 0) if o_part.device.type == "cuda" else 132
     block_r = 16
-    while block_r > 1 and triton.cdiv(pairs, block_r) * (c // block_c) < (2 if wide else MERGE_PROGRAMS_PER_SM) * sms:
+    per_sm = WIDE_MERGE_PROGRAMS_PER_SM if wide else MERGE_PROGRAMS_PER_SM
+    while block_r > 1 and triton.cdiv(pairs, block_r) * (c // block_c) < per_sm * sms:
         block_r //= 2
     block_s = min(_pow2(splits), max(1, 16 // block_r))
     split_blocks = block_r == 1 and splits > SPLIT_BLOCKS_MIN_SPLITS
