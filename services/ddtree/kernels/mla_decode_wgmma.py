@@ -22,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.runtime.jit import constexpr_function
 
-from .mla_verify_wgmma import _load_kv_tile, _rows_layout, _zero_rows_from
+from .mla_verify_wgmma import _load_kv_tile, _load_q, _rows_layout, _split_tiles, _zero_rows_from, compile_sm90
 
 DECODE_TILE = (64, 2)  # (BLOCK_N, STAGES): wgmma M is the key tile, so 64 keys; 3 stages of 64 do not fit 227 KB
 
@@ -92,13 +92,7 @@ def _decode_fwd_wgmma(
         mbarrier.init(kv_ready.index(k), count=1)  # expect-tx: the TMA bytes
     fence_async_shared()
 
-    prefix = gl.maximum(gl.load(Prefix + b).to(gl.int32), 0)
-    kv_len = prefix + T
-    n_tiles = gl.cdiv(kv_len, BLOCK_N)
-    per_split = gl.cdiv(n_tiles, num_splits)
-    lo = split * per_split
-    hi = gl.minimum(lo + per_split, n_tiles)
-    full_hi = gl.maximum(gl.minimum(hi, prefix // BLOCK_N), lo)  # tiles wholly in the prefix
+    prefix, kv_len, lo, hi, full_hi = _split_tiles(Prefix, b, T, split, num_splits, BLOCK_N)
     table_row = Table + b.to(gl.int64) * stride_tb
     # The first STAGES tiles are in flight before Q is read (its latency hides under theirs).
     for k in gl.static_range(STAGES):
@@ -106,17 +100,8 @@ def _decode_fwd_wgmma(
                       kv_ready.index(k), k_lo_s.index(k), k_hi_s.index(k), k_rope_s.index(k), C, BLOCK_N)
 
     # Q [NR, C/2] x 2 and [NR, R] -> shared memory (rows past T*H zero): B operands of the scores.
-    half_ld: gl.constexpr = _rows_layout(C // 2, num_warps)
-    m = gl.arange(0, NR, layout=gl.SliceLayout(1, half_ld))
-    q_ptr = QLat + ((b * T + m // H).to(gl.int64) * stride_qlr + (m % H) * stride_qlh)[:, None] \
-        + gl.arange(0, C // 2, layout=gl.SliceLayout(0, half_ld))[None, :]
-    q_lo_s.store(gl.load(q_ptr, mask=(m < T * H)[:, None], other=0.0))
-    q_hi_s.store(gl.load(q_ptr + C // 2, mask=(m < T * H)[:, None], other=0.0))
-    rope_ld: gl.constexpr = _rows_layout(R, num_warps)
-    m = gl.arange(0, NR, layout=gl.SliceLayout(1, rope_ld))
-    rr = gl.arange(0, R, layout=gl.SliceLayout(0, rope_ld))
-    q_rope_s.store(gl.load(QRope + ((b * T + m // H).to(gl.int64) * stride_qrr + (m % H) * stride_qrh)[:, None]
-                           + rr[None, :], mask=(m < T * H)[:, None], other=0.0))
+    _load_q(QLat, QRope, q_lo_s, q_hi_s, q_rope_s, 0, b, T, H, stride_qlr, stride_qlh, stride_qrr, stride_qrh,
+            NR, C, R, num_warps)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -209,22 +194,6 @@ def launch_decode(q_latent, q_rope, kv_desc, rope_desc, table, prefix_lens, mask
 def compile_decode_for_sm90(rows: int = 16, partial: bool = False, page_size: int = 64, tile=DECODE_TILE):
     """Compile for sm_90a without a GPU (C 512, R 64, bf16): the CompiledKernel (tests read its
     .metadata.shared and .asm)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from .mla_verify_wgmma import _SMEM
-    fn = _decode_fwd_wgmma
-    names = fn.arg_names
     const = dict(C=512, R=64, NR=rows_tile(rows), BLOCK_N=tile[0], STAGES=tile[1], PARTIAL=partial, TAIL_MASK=True,
                  num_warps=4)
-    box = min(page_size, tile[0])
-    sig = {n: "i32" for n in names}
-    sig.update({n: "*bf16" for n in ("QLat", "QRope", "Out")})
-    sig.update(kv_desc=f"tensordesc<bf16[{box},256],{_SMEM!r}>", rope_desc=f"tensordesc<bf16[{box},64],{_SMEM!r}>",
-               Table="*i32", Prefix="*i64", Mask="*i64", Lse="*fp32", OPart="*fp32", LsePart="*fp32",
-               scale_log2="fp32", **dict.fromkeys(const, "constexpr"))
-    aligned = ("QLat", "QRope", "Table", "Prefix", "Mask", "Out", "Lse", "OPart", "LsePart",
-               "stride_qlr", "stride_qlh", "stride_qrr", "stride_qrh", "stride_or", "stride_oh")
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    return triton.compile(GluonASTSource(fn, sig, const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4))
+    return compile_sm90(_decode_fwd_wgmma, const, min(page_size, tile[0]))

@@ -110,6 +110,38 @@ def _zero_rows_from(buf, first, BLOCK_N: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
+def _split_tiles(Prefix, b, T, split, num_splits, BLOCK_N: gl.constexpr):
+    """Request b's keys (its prefix, then T tail tokens) and split `split`'s share of its BLOCK_N-key
+    tiles: (prefix, kv_len, lo, hi, full_hi), tiles lo..hi-1, those below full_hi wholly in the prefix."""
+    prefix = gl.maximum(gl.load(Prefix + b).to(gl.int32), 0)
+    kv_len = prefix + T
+    n_tiles = gl.cdiv(kv_len, BLOCK_N)
+    per_split = gl.cdiv(n_tiles, num_splits)
+    lo = split * per_split
+    hi = gl.minimum(lo + per_split, n_tiles)
+    full_hi = gl.maximum(gl.minimum(hi, prefix // BLOCK_N), lo)
+    return prefix, kv_len, lo, hi, full_hi
+
+
+@gluon.jit
+def _load_q(QLat, QRope, q_lo_s, q_hi_s, q_rope_s, row0, b, T, H, stride_qlr, stride_qlh, stride_qrr, stride_qrh,
+            ROWS: gl.constexpr, C: gl.constexpr, R: gl.constexpr, num_warps: gl.constexpr):
+    """Rows row0..row0+ROWS-1 of request b (tail token x head pairs; rows past T*H zero) of Q into
+    shared memory: latent halves [ROWS, C/2] x 2 and rope [ROWS, R]."""
+    half_ld: gl.constexpr = _rows_layout(C // 2, num_warps)
+    m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, half_ld))
+    q_ptr = QLat + ((b * T + m // H).to(gl.int64) * stride_qlr + (m % H) * stride_qlh)[:, None] \
+        + gl.arange(0, C // 2, layout=gl.SliceLayout(0, half_ld))[None, :]
+    q_lo_s.store(gl.load(q_ptr, mask=(m < T * H)[:, None], other=0.0))
+    q_hi_s.store(gl.load(q_ptr + C // 2, mask=(m < T * H)[:, None], other=0.0))
+    rope_ld: gl.constexpr = _rows_layout(R, num_warps)
+    m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, rope_ld))
+    rr = gl.arange(0, R, layout=gl.SliceLayout(0, rope_ld))
+    q_rope_s.store(gl.load(QRope + ((b * T + m // H).to(gl.int64) * stride_qrr + (m % H) * stride_qrh)[:, None]
+                           + rr[None, :], mask=(m < T * H)[:, None], other=0.0))
+
+
+@gluon.jit
 def _store_rows(acc, inv_l, lse, Out, Lse, OPart, LsePart, b, pid_m, split, T, H,
                 stride_or, stride_oh, stride_lr, stride_ls, col0: gl.constexpr, WITH_LSE: gl.constexpr,
                 C: gl.constexpr, BLOCK_M: gl.constexpr, PARTIAL: gl.constexpr, o_layout: gl.constexpr):
@@ -270,17 +302,8 @@ def _verify_fwd_wgmma(
     q_lo_s = gl.allocate_shared_memory(dt, [BLOCK_M, C // 2], smem)
     q_hi_s = gl.allocate_shared_memory(dt, [BLOCK_M, C // 2], smem)
     q_rope_s = gl.allocate_shared_memory(dt, [BLOCK_M, R], smem)
-    half_ld: gl.constexpr = _rows_layout(C // 2, num_warps)
-    m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, half_ld))
-    q_ptr = QLat + ((b * T + m // H).to(gl.int64) * stride_qlr + (m % H) * stride_qlh)[:, None] \
-        + gl.arange(0, C // 2, layout=gl.SliceLayout(0, half_ld))[None, :]
-    q_lo_s.store(gl.load(q_ptr, mask=(m < T * H)[:, None], other=0.0))
-    q_hi_s.store(gl.load(q_ptr + C // 2, mask=(m < T * H)[:, None], other=0.0))
-    rope_ld: gl.constexpr = _rows_layout(R, num_warps)
-    m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rope_ld))
-    rr = gl.arange(0, R, layout=gl.SliceLayout(0, rope_ld))
-    q_rope_s.store(gl.load(QRope + ((b * T + m // H).to(gl.int64) * stride_qrr + (m % H) * stride_qrh)[:, None]
-                           + rr[None, :], mask=(m < T * H)[:, None], other=0.0))
+    _load_q(QLat, QRope, q_lo_s, q_hi_s, q_rope_s, pid_m * BLOCK_M, b, T, H, stride_qlr, stride_qlh, stride_qrr,
+            stride_qrh, BLOCK_M, C, R, num_warps)
 
     k_lo_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, C // 2], smem)
     k_hi_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, C // 2], smem)
@@ -301,14 +324,7 @@ def _verify_fwd_wgmma(
     mbarrier.init(final_ready, count=1)
     fence_async_shared()
 
-    prefix = gl.load(Prefix + b).to(gl.int32)
-    prefix = gl.maximum(prefix, 0)
-    kv_len = prefix + T
-    n_tiles = gl.cdiv(kv_len, BLOCK_N)
-    per_split = gl.cdiv(n_tiles, num_splits)
-    lo = split * per_split
-    hi = gl.minimum(lo + per_split, n_tiles)
-    full_hi = gl.maximum(gl.minimum(hi, prefix // BLOCK_N), lo)  # tiles wholly in the prefix
+    prefix, kv_len, lo, hi, full_hi = _split_tiles(Prefix, b, T, split, num_splits, BLOCK_N)
     table_row = Table + b.to(gl.int64) * stride_tb
     gl.warp_specialize([
         (_softmax_warpgroup, (q_lo_s, q_hi_s, q_rope_s, k_lo_s, k_hi_s, k_rope_s, p_s, alpha_s, stat_s,
@@ -450,21 +466,25 @@ def mla_verify_attention_wgmma(
 def compile_for_sm90(partial: bool = False, page_size: int = 64, tile: tuple[int, int] = TILE):
     """Compile the kernel for sm_90a without a GPU (C 512, R 64, bf16): the triton CompiledKernel,
     whose .metadata.shared and .asm["ptx"] tests and `bench_verify_attn --resources` read."""
+    const = dict(C=512, R=64, BLOCK_M=BLOCK_M, BLOCK_N=tile[0], STAGES=tile[1], PARTIAL=partial, TAIL_MASK=True,
+                 VALUE_REGS=VALUE_REGS, num_warps=WARPS)
+    return compile_sm90(_verify_fwd_wgmma, const, min(page_size, tile[0]))
+
+
+def compile_sm90(fn, const: dict, box_rows: int):
+    """Offline sm_90a compile of a verify kernel (this one or mla_decode_wgmma's) with its launch's
+    argument types: bf16 Q and output, fp32 lse and partials, TMA boxes of box_rows cache rows."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = _verify_fwd_wgmma
     names = fn.arg_names
-    const = dict(C=512, R=64, BLOCK_M=BLOCK_M, BLOCK_N=tile[0], STAGES=tile[1], PARTIAL=partial, TAIL_MASK=True,
-                 VALUE_REGS=VALUE_REGS, num_warps=WARPS)
-    rows = min(page_size, tile[0])
     sig = {n: "i32" for n in names}
     sig.update({n: "*bf16" for n in ("QLat", "QRope", "Out")})
-    sig.update(kv_desc=f"tensordesc<bf16[{rows},256],{_SMEM!r}>", rope_desc=f"tensordesc<bf16[{rows},64],{_SMEM!r}>",
+    sig.update(kv_desc=f"tensordesc<bf16[{box_rows},256],{_SMEM!r}>", rope_desc=f"tensordesc<bf16[{box_rows},64],{_SMEM!r}>",
                Table="*i32", Prefix="*i64", Mask="*i64", Lse="*fp32", OPart="*fp32", LsePart="*fp32",
                scale_log2="fp32", **dict.fromkeys(const, "constexpr"))
     aligned = ("QLat", "QRope", "Table", "Prefix", "Mask", "Out", "Lse", "OPart", "LsePart",
                "stride_qlr", "stride_qlh", "stride_qrr", "stride_qrh", "stride_or", "stride_oh")  # as at launch
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     return triton.compile(GluonASTSource(fn, sig, const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=WARPS))
+                          options=dict(num_warps=const["num_warps"]))
