@@ -338,8 +338,8 @@ def shipped_kernel(inputs) -> tuple:
     from ddtree.kernels.dispatch import verify_kernel
     name, kernel = verify_kernel(inputs[0], inputs[1], inputs[2], inputs[5])
     if name == "wgmma":
-        from ddtree.kernels.mla_verify_wgmma import FEW_ROWS
-        name = "wgmmaT" if inputs[5].shape[1] * inputs[0].shape[1] <= FEW_ROWS else name
+        from ddtree.kernels.mla_verify_wgmma import runs_transposed
+        name = "wgmmaT" if runs_transposed(inputs[5].shape[1] * inputs[0].shape[1]) else name
     return kernel, name
 
 

@@ -182,7 +182,9 @@ def test_descriptors_are_kept_per_layer_view_while_the_cache_lives():
 
 
 def test_config_rule():
-    from ddtree.kernels.mla_verify_wgmma import TILE, wgmma_config
+    from ddtree.kernels.mla_verify_wgmma import TILE, runs_transposed, wgmma_config
+    assert runs_transposed(8) and runs_transposed(16) and not runs_transposed(17)  # the kernel for <= 16 rows
+    assert not runs_transposed(8, 32)                              # ... needs 64-key tiles
     assert wgmma_config(1024, 16, 8192, 132) == (*TILE, 1)     # 256 row blocks: no split
     assert wgmma_config(1024, 1, 8192, 132) == (*TILE, 8)      # 16 row blocks x 8 splits of 1024 keys
     assert wgmma_config(64, 64, 8192, 132) == (*TILE, 2)       # 64 row blocks x 2 splits fill the SMs

@@ -388,6 +388,13 @@ def _kv_descriptors(cache: torch.Tensor, c: int, r: int, block_n: int) -> tuple:
     return found
 
 
+def runs_transposed(rows_per_request: int, block_n: int = TILE[0]) -> bool:
+    """Whether mla_verify_attention_wgmma runs the transposed kernel (mla_decode_wgmma): few rows
+    (no 64-row padding), and 64-key tiles, since its wgmma M is the key tile; an explicit 32-key
+    config runs the row-block kernel."""
+    return rows_per_request <= FEW_ROWS and block_n == 64
+
+
 def wgmma_config(rows_per_request: int, batch: int, max_kv_len: int, sms: int) -> tuple[int, int, int]:
     """(BLOCK_N, STAGES, splits). Programs are one per SM (~150-224 KB of shared memory each). When
     the row blocks alone do not fill the SMs, each request's KV range is split so they do (one
@@ -431,9 +438,7 @@ def mla_verify_attention_wgmma(
     if config is None:
         config = wgmma_config(t * heads, b, block_table.shape[1] * cache.shape[1], _num_sms(device.index or 0))
     block_n, stages, splits = config
-    # Few rows: the keys-by-rows kernel (no 64-row padding), whose wgmma M is the 64-key tile; an explicit
-    # 32-key config runs the row-block kernel.
-    transposed = t * heads <= FEW_ROWS and block_n == 64
+    transposed = runs_transposed(t * heads, block_n)
     if splits < 1 or block_n not in (32, 64) or not 2 <= stages <= 128 // block_n:
         raise ValueError(f"config (BLOCK_N, STAGES, splits) must have BLOCK_N 32 or 64, 2 <= STAGES <= "
                          f"128 / BLOCK_N and splits >= 1; got {config}")
