@@ -40,28 +40,30 @@ DDTREE_HD int candidate_rank(uint32_t c) { return static_cast<int>((c >> 11) & 0
 DDTREE_HD int candidate_depth(uint32_t c) { return static_cast<int>(c >> 21); }
 
 // True when the rank path of candidate a = path(pa) + [ra] (depth da) sorts before that of b,
-// as Python tuples compare (a prefix first). `parent`/`rank` describe the popped nodes so far
-// (node 0 is the root). O(depth); only reached on exactly equal scores.
+// as Python tuples compare (a prefix first). `up(v, parent, rank)` gives popped node v's parent
+// and rank (node 0 is the root); any key that orders siblings like their ranks will do for rank.
+// O(depth); only reached on exactly equal scores.
+template <typename Up>
+DDTREE_HD bool rank_path_less_by(int pa, int ra, int da, int pb, int rb, int db, Up up) {
+  int a_parent = pa, a_rank = ra, b_parent = pb, b_rank = rb;
+  for (int d = da; d > db; --d) up(a_parent, a_parent, a_rank);
+  for (int d = db; d > da; --d) up(b_parent, b_parent, b_rank);
+  if (a_parent == b_parent && a_rank == b_rank) return da < db;  // one is a prefix of the other
+  while (a_parent != b_parent) {
+    up(a_parent, a_parent, a_rank);
+    up(b_parent, b_parent, b_rank);
+  }
+  return a_rank < b_rank;
+}
+
+// The same over parent/rank arrays of the popped nodes.
 template <typename Index>
 DDTREE_HD bool rank_path_less(int pa, int ra, int da, int pb, int rb, int db, const Index* parent,
                               const Index* rank) {
-  int a_parent = pa, a_rank = ra, b_parent = pb, b_rank = rb;
-  for (int d = da; d > db; --d) {
-    a_rank = rank[a_parent];
-    a_parent = parent[a_parent];
-  }
-  for (int d = db; d > da; --d) {
-    b_rank = rank[b_parent];
-    b_parent = parent[b_parent];
-  }
-  if (a_parent == b_parent && a_rank == b_rank) return da < db;  // one is a prefix of the other
-  while (a_parent != b_parent) {
-    a_rank = rank[a_parent];
-    a_parent = parent[a_parent];
-    b_rank = rank[b_parent];
-    b_parent = parent[b_parent];
-  }
-  return a_rank < b_rank;
+  return rank_path_less_by(pa, ra, da, pb, rb, db, [parent, rank](int v, int& p, int& r) {
+    r = rank[v];
+    p = parent[v];
+  });
 }
 
 // Pop order: higher score first, then the smaller rank path.

@@ -11,6 +11,18 @@
 #define DDTREE_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #define DDTREE_BLOCK_PATH(fallback, exact)  // the emulation counts the block kernel's paths
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+// The lane and its bit from the special registers, through volatile asm: nvcc otherwise recomputes
+// them from the thread index (an S2R, ~20 cycles) inside the pop loop instead of keeping a register.
+__device__ __forceinline__ int lane_id() {
+  int lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return lane;
+}
+__device__ __forceinline__ unsigned lane_bit() {
+  unsigned bit;
+  asm volatile("mov.u32 %0, %%lanemask_eq;" : "=r"(bit));
+  return bit;
+}
 #endif
 #ifndef DDTREE_PHASE  // phase timing hooks: a profiling harness defines them (clock64 per phase)
 #define DDTREE_PHASE_START()
@@ -43,35 +55,189 @@ void check_cuda(cudaError_t err, const char* what) {
 }
 #endif
 
+// A node (and a frontier candidate) as one word: parent node (11 bits), the index of its log-prob
+// in lp[D][K], (depth - 1) * K + rank (15 bits), and depth (6 bits). The index, not the rank, so
+// that a pop's loads need no address arithmetic beyond a mask; at equal depths indices order
+// siblings as ranks do, so the tie-break can walk them. The root is word 0.
+__host__ __device__ __forceinline__ uint32_t node_word(int parent, int index, int depth) {
+  return static_cast<uint32_t>(parent) | (static_cast<uint32_t>(index) << 11) |
+         (static_cast<uint32_t>(depth) << 26);
+}
+__host__ __device__ __forceinline__ int node_parent(uint32_t w) { return static_cast<int>(w & 0x7FFu); }
+__host__ __device__ __forceinline__ int node_index(uint32_t w) { return static_cast<int>((w >> 11) & 0x7FFFu); }
+__host__ __device__ __forceinline__ int node_depth(uint32_t w) { return static_cast<int>(w >> 26); }
+constexpr uint32_t kNextSibling = 1u << 11;  // node_word(p, i + 1, d) - node_word(p, i, d)
+
 // Shared memory of one warp-kernel block: log-probs [D][K] (staged as double when they fit, so a
-// pop converts nothing), then node parent/rank/depth.
+// pop converts nothing), then the node words. The pop loop reads one value past the log-probs
+// (offers that do not exist are loaded unclamped and dropped), which falls in the node words.
 constexpr size_t kDoubleStagingLimit = 200 * 1024;
+constexpr int kRowMaxBudget = 64;  // budgets the one-row loop serves: ceil(64 / 2) = 32 slots
 struct BuildShared {
   size_t bytes;
-  size_t parent_offset, rank_offset, depth_offset;
+  size_t node_offset, mask_offset;  // mask rows: only for the one-row loop, which builds them
   __host__ __device__ BuildShared(int D, int K, int N, size_t staged_size) {
-    parent_offset = staged_size * static_cast<size_t>(D) * K;
-    rank_offset = parent_offset + sizeof(int16_t) * (N + 1);
-    depth_offset = rank_offset + sizeof(int16_t) * (N + 1);
-    bytes = depth_offset + (N + 1);
+    node_offset = staged_size * static_cast<size_t>(D) * K;
+    mask_offset = (node_offset + sizeof(uint32_t) * (N + 1) + 7) / 8 * 8;
+    bytes = mask_offset + (N <= kRowMaxBudget ? sizeof(uint64_t) * (N + 1) * mask_words(N + 1) : 0);
   }
 };
 
 // Exactly equal scores: compare rank paths (rare on real log-probs; kept out of line so the
 // common path stays small).
-__device__ __noinline__ bool tie_pops_before(uint32_t ca, uint32_t cb, const int16_t* parent,
-                                             const int16_t* rank) {
-  return rank_path_less(candidate_parent(ca), candidate_rank(ca), candidate_depth(ca),
-                        candidate_parent(cb), candidate_rank(cb), candidate_depth(cb), parent,
-                        rank);
+__device__ __noinline__ bool tie_pops_before(uint32_t a, uint32_t b, const uint32_t* s_node) {
+  return rank_path_less_by(node_parent(a), node_index(a), node_depth(a), node_parent(b),
+                           node_index(b), node_depth(b), [s_node](int v, int& p, int& i) {
+                             const uint32_t w = s_node[v];
+                             p = node_parent(w);
+                             i = node_index(w);
+                           });
 }
 
 
-// The sequential best-first loop of one warp (the exact algorithm, pop by pop). Node 0 of
-// s_parent/s_rank/s_depth must hold the root. Returns the number of nodes popped.
+// The two offers of a popped head (node n): its next sibling and its first child, in pop order
+// (s1 first), scored in the contract's float64 operation order. An offer that does not exist
+// scores -inf, which lands it past every live position. The loads are unclamped (one that does
+// not exist reads a neighbour or the slack past [D][K]) and their values are dropped.
+struct Offers {
+  double s1, s2;
+  uint32_t c1, c2;
+  int count;  // offers that exist
+  double child, sibling;  // the same two offers unordered (-inf: none)
+  bool child_first;       // s1 is the child
+};
+// The three log-probs a pop reads: lp[i] and lp[i + 1] of the head's row, lp[d][0] of the next.
+struct PopLoads {
+  double here, next, child;
+};
+template <typename Staged>
+__device__ __forceinline__ PopLoads pop_loads(uint32_t head, const Staged* s_lp, int K) {
+  const int i = node_index(head), child_index = node_depth(head) * K;
+  return {static_cast<double>(s_lp[i]), static_cast<double>(s_lp[i + 1]),
+          static_cast<double>(s_lp[child_index])};
+}
+__device__ __forceinline__ Offers offers_of(uint32_t head, double head_score, int n, const PopLoads& lp,
+                                            int D, int K) {
+  const int i = node_index(head), d = node_depth(head), child_index = d * K;
+  const bool has_sibling = i + 1 < child_index, has_child = d < D;
+  double sibling = head_score - lp.here;
+  sibling = sibling + lp.next;
+  // The child's select is off the chain (the sibling's second add is slower), and with it the
+  // order below needs no test of has_child.
+  const double child = has_child ? head_score + lp.child : -INFINITY;
+  // On equal scores the child (path p + [r, 0]) sorts before the sibling (p + [r + 1]).
+  const bool child_first = !has_sibling || child >= sibling;
+  const double sibling_or_none = has_sibling ? sibling : -INFINITY;
+  const uint32_t child_word = node_word(n, child_index, d + 1), sibling_word = head + kNextSibling;
+  return {child_first ? child : sibling, child_first ? sibling_or_none : child,
+          child_first ? child_word : sibling_word, child_first ? sibling_word : child_word,
+          has_child + has_sibling, child, sibling_or_none, child_first};
+}
+template <typename Staged>
+__device__ __forceinline__ Offers offers_of(uint32_t head, double head_score, int n, const Staged* s_lp,
+                                            int D, int K) {
+  return offers_of(head, head_score, n, pop_loads(head, s_lp, K), D, K);
+}
+
+// The frontier without its head, on one row: lane j holds position j + 1, in pop order; lanes
+// past the live candidates hold -inf.
+struct Row {
+  double score;
+  uint32_t cand;
+};
+
+// Places a pop's offers into the row, given ballots of the lanes that pop before each offer (or
+// tie with it; a tie redoes them exactly). Those are lanes 0..c1-1 for s1 and 0..c2-1 for s2, so
+// a lane reads its case off the ballots' bits, with no counts. If s1 became the head (c1 = 0):
+// before c2 a lane keeps its value, at c2 it takes s2, after it R[j - 1]. Else R[0] became the head
+// and the row also moves down before s1: R[j + 1] before c1 - 1, s1 at c1 - 1. An offer that does
+// not exist is -inf, which every lane reaches: s2 then goes nowhere, and s1 to lane 31 as padding.
+__device__ __forceinline__ Row place_offers(const Offers& o, unsigned ahead1, unsigned ahead2, Row old,
+                                            int lane, unsigned bit) {
+  const unsigned next_bit = bit << 1, prev_bit = bit >> 1;
+  const bool before1 = (ahead1 & next_bit) != 0, at1 = !before1 && (ahead1 & bit) != 0;
+  const bool before2 = (ahead2 & bit) != 0, at2 = !before2 && (lane == 0 || (ahead2 & prev_bit) != 0);
+  const int src = before1 ? lane + 1 : (before2 ? lane : lane - 1);
+  const double moved_score = __shfl_sync(kFullMask, old.score, src);
+  const uint32_t moved_cand = __shfl_sync(kFullMask, old.cand, src);
+  return {at1 ? o.s1 : (at2 ? o.s2 : moved_score), at1 ? o.c1 : (at2 ? o.c2 : moved_cand)};
+}
+
+// The best-first loop on one frontier row (budgets <= 64), software-pipelined: pop k computes its
+// offers from the head while it places pop k-1's offers into the row (the two are independent, so
+// their latencies overlap in one basic block), then takes its own offers' ballots against the
+// placed row. Every lane carries the head: the first offer if no candidate pops before it, else
+// R[0]. Exactly equal scores (rare) redo the ballots with the rank-path tie-break at the end of
+// the pop; the placement they feed is the next pop's. No count of live candidates is kept: the
+// row holds at most 32, and one pushed past lane 31 is at position >= 33 >= budget - n, so it
+// could never pop (after n pops at most n + 1 candidates exist, so the row overflows only once
+// n >= 32).
+// With kMaskRows (words per row W = 1 or 2), the lanes also build the ancestor mask rows in s_mask
+// as nodes pop: row n = row[parent] | bit n, off the loop's chain; row 0 (the root) is the
+// caller's.
+template <bool kMaskRows, typename Staged>
+__device__ int warp_build_row(const Staged* s_lp, int D, int K, int budget, uint32_t* s_node,
+                              uint64_t* s_mask, int W) {
+  const int lane = lane_id();
+  const unsigned bit = lane_bit();
+  double head_score = static_cast<double>(s_lp[0]);
+  uint32_t head = node_word(0, 0, 1);
+  Row row{-INFINITY, 0u};
+  Offers pending{-INFINITY, -INFINITY, 0u, 0u, 0, -INFINITY, -INFINITY, true};  // nothing to place yet
+  unsigned ahead1 = kFullMask, ahead2 = kFullMask;
+  PopLoads lp = pop_loads(head, s_lp, K);  // the head's log-probs, loaded before the back-edge
+  int n = 0;
+  for (;;) {
+    row = place_offers(pending, ahead1, ahead2, row, lane, bit);
+    ++n;
+    if (lane == 0) s_node[n] = head;
+    if constexpr (kMaskRows) {
+      // Lane j does word j mod W, so the lanes of one word store the same value to the same
+      // place: no lane-divergent `if` (nvcc made one a branch around the whole update).
+      const int word = lane & (W - 1);
+      s_mask[n * W + word] =
+          s_mask[node_parent(head) * W + word] | ((n >> 6) == word ? uint64_t{1} << (n & 63) : 0);
+    }
+    const Offers o = offers_of(head, head_score, n, lp, D, K);
+    const double second_score = __shfl_sync(kFullMask, row.score, 0);
+    const uint32_t second = __shfl_sync(kFullMask, row.cand, 0);
+    // Ballots against the child and the sibling as they come out of their adds, ordered after
+    // the votes: the order's compare and selects stay off the chain to the next head.
+    const unsigned ahead_child = __ballot_sync(kFullMask, row.score >= o.child);
+    const unsigned ahead_sibling = __ballot_sync(kFullMask, row.score >= o.sibling);
+    ahead1 = o.child_first ? ahead_child : ahead_sibling;
+    ahead2 = o.child_first ? ahead_sibling : ahead_child;
+    head_score = ahead1 == 0 ? o.s1 : second_score;
+    head = ahead1 == 0 ? o.c1 : second;
+    lp = pop_loads(head, s_lp, K);
+    const bool more = n < budget && head_score > -INFINITY;  // -inf: the frontier is empty
+    pending = o;
+    // Bitwise, not short-circuit: nvcc otherwise branches around the compares.
+    const bool tie = __any_sync(kFullMask, ((row.score == o.child) | (row.score == o.sibling)) & (row.score > -INFINITY));
+    if (!tie && more) continue;  // the common case: one branch per pop
+    if (tie) {
+      __syncwarp();  // node n is visible to the tie-breaks
+      const bool real = row.score > -INFINITY;
+      bool a1 = row.score > o.s1 || (row.score == o.s1 && !real);
+      bool a2 = row.score > o.s2 || (row.score == o.s2 && !real);
+      if (real && row.score == o.s1) a1 = tie_pops_before(row.cand, o.c1, s_node);
+      if (real && row.score == o.s2) a2 = tie_pops_before(row.cand, o.c2, s_node);
+      ahead1 = __ballot_sync(kFullMask, a1);
+      ahead2 = __ballot_sync(kFullMask, a2);
+      head_score = ahead1 == 0 ? o.s1 : second_score;
+      head = ahead1 == 0 ? o.c1 : second;
+      lp = pop_loads(head, s_lp, K);
+    }
+    if (!more) break;
+  }
+  __syncwarp();
+  return n;
+}
+
+// The best-first loop on M > 1 frontier rows: position j = k * 32 + lane. The offers' positions
+// are counts over the rows, and the array shifts through neighbour-lane shuffles.
 template <int M, typename Staged>
-__device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t* s_parent,
-                          int16_t* s_rank, int8_t* s_depth, int lane) {
+__device__ int warp_build_rows(const Staged* s_lp, int D, int K, int budget, uint32_t* s_node, int lane) {
   // Frontier position j = k * 32 + lane lives in score[k] / cand[k]; positions < live are
   // valid, in pop order. live <= min(32 * M, budget - n): later positions could never pop.
   double score[M];
@@ -83,41 +249,24 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
   }
   if (lane == 0) {
     score[0] = static_cast<double>(s_lp[0]);
-    cand[0] = pack_candidate(0, 0, 1);
+    cand[0] = node_word(0, 0, 1);
   }
   int live = 1;
   const int up_lane = (lane + kWarp - 1) % kWarp, down_lane = (lane + 1) % kWarp;
-  // Position 0 (the head), known to every lane: after a pop it is the first offer if that goes to
-  // position 0, else the old position 1, whose shuffle issues before the pop's own work. So the
-  // next pop's loads wait for the offers' counts only, not for the array's shift.
+  // Position 0 (the head), known to every lane, as in warp_build_row.
   double head_score = static_cast<double>(s_lp[0]);
-  uint32_t head = pack_candidate(0, 0, 1);
+  uint32_t head = node_word(0, 0, 1);
 
   int n = 0;
   while (n < budget && live > 0) {
     const double second_score = __shfl_sync(kFullMask, score[0], 1);
     const uint32_t second = __shfl_sync(kFullMask, cand[0], 1);
     ++n;
-    const int p = candidate_parent(head), r = candidate_rank(head), d = candidate_depth(head);
-    if (lane == 0) {
-      s_parent[n] = static_cast<int16_t>(p);
-      s_rank[n] = static_cast<int16_t>(r);
-      s_depth[n] = static_cast<int8_t>(d);
-    }
-    // The two offers, in the contract's float64 operation order (indices clamped so the
-    // loads are unconditional; an offer that does not exist is dropped below).
-    const bool has_sibling = r + 1 < K, has_child = d < D;
-    const Staged* row = s_lp + (d - 1) * K;
-    double sibling = head_score - static_cast<double>(row[r]);
-    sibling = sibling + static_cast<double>(row[has_sibling ? r + 1 : r]);
-    const double child = head_score + static_cast<double>(s_lp[has_child ? d * K : 0]);
-    // On equal scores the child (path p + [r, 0]) sorts before the sibling (p + [r + 1]).
-    const bool child_first = has_child && (!has_sibling || child >= sibling);
-    const int offers = has_child + has_sibling;
-    const double s1 = child_first ? child : sibling, s2 = child_first ? sibling : child;
-    const uint32_t c1 = child_first ? pack_candidate(n, 0, d + 1) : pack_candidate(p, r + 1, d);
-    const uint32_t c2 = child_first ? pack_candidate(p, r + 1, d) : pack_candidate(n, 0, d + 1);
-
+    if (lane == 0) s_node[n] = head;
+    const Offers o = offers_of(head, head_score, n, s_lp, D, K);
+    const int offers = o.count;
+    const double s1 = o.s1, s2 = o.s2;
+    const uint32_t c1 = o.c1, c2 = o.c2;
     // Positions of the offers among the frontier without its head: count what pops first. The
     // ballots come straight from the compares; only a tie (rare) recomputes them, so the common
     // path keeps its flags in predicates.
@@ -143,8 +292,8 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
         const int j = k * kWarp + lane;
         const bool valid = j > 0 && j < live;
         bool a1 = valid && score[k] > s1, a2 = valid && score[k] > s2;
-        if (valid && offers >= 1 && score[k] == s1) a1 = tie_pops_before(cand[k], c1, s_parent, s_rank);
-        if (valid && offers >= 2 && score[k] == s2) a2 = tie_pops_before(cand[k], c2, s_parent, s_rank);
+        if (valid && offers >= 1 && score[k] == s1) a1 = tie_pops_before(cand[k], c1, s_node);
+        if (valid && offers >= 2 && score[k] == s2) a2 = tie_pops_before(cand[k], c2, s_node);
         if (k * kWarp < live) {
           ahead1[k] = __ballot_sync(kFullMask, a1);
           ahead2[k] = __ballot_sync(kFullMask, a2);
@@ -152,27 +301,22 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
       }
     }
     int q1 = 0, q2 = 1;  // s1 goes before s2
+    unsigned any_ahead1 = 0;
 #pragma unroll
     for (int k = 0; k < M; ++k) {
       q1 += __popc(ahead1[k]);
       q2 += __popc(ahead2[k]);
+      any_ahead1 |= ahead1[k];
     }
     if (offers < 1) q1 = kNoPosition;
     if (offers < 2) q2 = kNoPosition;
-    head_score = q1 == 0 ? s1 : second_score;
-    head = q1 == 0 ? c1 : second;
+    // The next head from the ballots, not the counts: the next pop's loads wait for less.
+    const bool first_is_head = offers >= 1 && any_ahead1 == 0;
+    head_score = first_is_head ? s1 : second_score;
+    head = first_is_head ? c1 : second;
     const int next_live = min(min(live - 1 + offers, M * kWarp), budget - n);
 
     // Shift: new[j] = old[j+1] before q1, s1 at q1, old[j] up to q2, s2 at q2, old[j-1] after.
-    if constexpr (M == 1) {  // one row: each lane reads its source lane directly (q1 <= live - 1 <= 31)
-      const int src = lane < q1 ? lane + 1 : (lane < q2 ? lane : lane - 1);
-      const double moved_s = __shfl_sync(kFullMask, score[0], src);
-      const uint32_t moved_c = __shfl_sync(kFullMask, cand[0], src);
-      score[0] = lane == q1 ? s1 : (lane == q2 ? s2 : moved_s);
-      cand[0] = lane == q1 ? c1 : (lane == q2 ? c2 : moved_c);
-      live = next_live;
-      continue;
-    }
     // old[j-1] / old[j+1] come from the neighbour lane (row k-1 / k+1 across the warp edge).
     double up_s_prev = 0.0, down_s = 0.0;
     uint32_t up_c_prev = 0, down_c = 0;
@@ -220,10 +364,21 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, int16_t*
   return n;
 }
 
+// The sequential best-first loop of one warp (the exact algorithm, pop by pop): node n's word goes
+// to s_node[n] (s_node[0], the root, is the caller's). s_lp must be readable one value past
+// [D][K]. s_mask (M = 1 only, else ignored): see warp_build_row. Returns the number of nodes popped.
+template <int M, bool kMaskRows = false, typename Staged>
+__device__ int warp_build(const Staged* s_lp, int D, int K, int budget, uint32_t* s_node, int lane,
+                          uint64_t* s_mask = nullptr, int W = 0) {
+  if constexpr (M == 1) return warp_build_row<kMaskRows>(s_lp, D, K, budget, s_node, s_mask, W);
+  else return warp_build_rows<M>(s_lp, D, K, budget, s_node, lane);
+}
+
 // Outputs of request b, padding included, by threads tid = 0..nthreads-1.
+// s_mask: the mask rows built by the pop loop, or nullptr (each word from an ancestor walk).
 __device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int b, int n,
-                              int32_t status, const int16_t* s_parent, const int16_t* s_rank,
-                              const int8_t* s_depth, int tid, int nthreads) {
+                              int32_t status, const uint32_t* s_node, int tid, int nthreads,
+                              const uint64_t* s_mask = nullptr) {
   const int D = in.depth, K = in.topk, N = in.max_budget, W = mask_words(N + 1);
   const int32_t* ids = in.ids + static_cast<long>(b) * D * K;
   int32_t* tokens = out.tokens + static_cast<long>(b) * N;
@@ -233,22 +388,27 @@ __device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int 
   for (int i = tid; i < N; i += nthreads) {
     const int node = i + 1;
     if (node <= n) {
-      const int d = s_depth[node];
-      tokens[i] = __ldg(ids + (d - 1) * K + s_rank[node]);
-      depths[i] = d;
+      const uint32_t w = s_node[node];
+      tokens[i] = __ldg(ids + node_index(w));
+      depths[i] = node_depth(w);
     } else {
       tokens[i] = -1;
       depths[i] = 0;
     }
   }
-  for (int i = tid; i <= N; i += nthreads) parents[i] = (i >= 1 && i <= n) ? s_parent[i] : -1;
-  // Row i, word w: the ancestors of i (parents have smaller indices) that fall in the word.
+  for (int i = tid; i <= N; i += nthreads) parents[i] = (i >= 1 && i <= n) ? node_parent(s_node[i]) : -1;
+  // Row i, word w: the ancestors of i (parents have smaller indices) that fall in the word; the
+  // root (bit 0 of word 0) is everyone's.
   for (int idx = tid; idx < (N + 1) * W; idx += nthreads) {
     const int row = idx / W, lo = (idx - row * W) * 64;
     uint64_t bits = 0;
-    if (row <= n)
-      for (int v = row; v >= lo; v = s_parent[v])
+    if (row <= n && s_mask != nullptr) {
+      bits = s_mask[idx];
+    } else if (row <= n) {
+      for (int v = row; v >= lo && v > 0; v = node_parent(s_node[v]))
         if (v < lo + 64) bits |= uint64_t{1} << (v - lo);
+      if (lo == 0) bits |= 1;
+    }
     mask[idx] = bits;
   }
   if (tid == 0) {
@@ -297,7 +457,7 @@ __device__ void stage_logprobs(const float* lp, Staged* s_lp, int numel, int K, 
 constexpr int kBuildThreads = 4 * kWarp;
 
 template <int M, typename Staged>
-__global__ void __launch_bounds__(kBuildThreads) build_kernel(BuildArgs in, BuildOutputs out) {
+__global__ void __launch_bounds__(kBuildThreads, 1) build_kernel(BuildArgs in, BuildOutputs out) {
   DDTREE_DYNAMIC_SMEM(smem);
   DDTREE_PHASE_START();
   __shared__ int s_n;
@@ -305,9 +465,9 @@ __global__ void __launch_bounds__(kBuildThreads) build_kernel(BuildArgs in, Buil
   const int b = blockIdx.x, tid = threadIdx.x;
   const BuildShared layout(D, K, N, sizeof(Staged));
   Staged* s_lp = reinterpret_cast<Staged*>(smem);
-  int16_t* s_parent = reinterpret_cast<int16_t*>(smem + layout.parent_offset);
-  int16_t* s_rank = reinterpret_cast<int16_t*>(smem + layout.rank_offset);
-  int8_t* s_depth = reinterpret_cast<int8_t*>(smem + layout.depth_offset);
+  uint32_t* s_node = reinterpret_cast<uint32_t*>(smem + layout.node_offset);
+  const int W = mask_words(N + 1);
+  uint64_t* s_mask = M == 1 && N <= kRowMaxBudget ? reinterpret_cast<uint64_t*>(smem + layout.mask_offset) : nullptr;
 
   // Stage this request's log-probs in shared memory and check them.
   bool nonfinite = false, unordered = false;
@@ -319,11 +479,8 @@ __global__ void __launch_bounds__(kBuildThreads) build_kernel(BuildArgs in, Buil
   // The outputs read ids[d - 1][rank] per node: bring this request's ids into L1 meanwhile.
   const int32_t* ids = in.ids + static_cast<long>(b) * D * K;
   for (int i = tid * 32; i < D * K; i += kBuildThreads * 32) prefetch_l1(ids + i);  // 128-byte lines
-  if (tid == 0) {
-    s_parent[0] = -1;
-    s_rank[0] = 0;
-    s_depth[0] = 0;
-  }
+  if (tid == 0) s_node[0] = 0;  // the root
+  if (s_mask != nullptr && tid < W) s_mask[tid] = tid == 0 ? 1 : 0;
   const int budget = in.budgets ? in.budgets[b] : N;
   int32_t status = kOk;
   // Votes, so the compiler sees the status (and the loop's branch below) warp-uniform: without them
@@ -335,12 +492,12 @@ __global__ void __launch_bounds__(kBuildThreads) build_kernel(BuildArgs in, Buil
 
   DDTREE_PHASE(10);
   if (__any_sync(kFullMask, tid < kWarp)) {  // warp 0
-    const int n = status == kOk ? warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, tid) : 0;
+    const int n = status == kOk ? warp_build<M, M == 1>(s_lp, D, K, budget, s_node, tid, s_mask, W) : 0;
     if (tid == 0) s_n = n;
   }
   __syncthreads();
   DDTREE_PHASE(11);
-  write_outputs(in, out, b, s_n, status, s_parent, s_rank, s_depth, tid, kBuildThreads);
+  write_outputs(in, out, b, s_n, status, s_node, tid, kBuildThreads, s_mask);
   DDTREE_PHASE(12);
 }
 
@@ -388,7 +545,7 @@ __host__ __device__ __forceinline__ int sort_length(int m) { return m > 64 ? pow
 struct BlockShared {
   size_t bytes;
   size_t lp, pool_score, cand_score, offs, pool_prefix, pool_rank, pool_prod, pool_index,
-      cand_slot, parent, rank, order, pool_depth, has_next, has_child, depth;
+      cand_slot, node, order, pool_depth, has_next, has_child;
   __host__ __device__ BlockShared(int D, int K, int N, int C, size_t staged_size) {
     const int Mc = sort_length(kCandidateFactor * N);
     size_t o = 0;
@@ -401,19 +558,17 @@ struct BlockShared {
     pool_score = take(sizeof(double) * C, 8);
     cand_score = take(sizeof(double) * Mc, 8);
     lp = take(staged_size * static_cast<size_t>(D) * K, 8);
-    offs = take(sizeof(int32_t) * C, 4);
+    offs = take(sizeof(int32_t) * C, 4);  // also the slack the pop loop reads past lp
+    node = take(sizeof(uint32_t) * (N + 1), 4);
     pool_prefix = take(sizeof(int16_t) * C, 2);
     pool_rank = take(sizeof(int16_t) * C, 2);
     pool_prod = take(sizeof(int16_t) * C, 2);
     pool_index = take(sizeof(int16_t) * C, 2);
     cand_slot = take(sizeof(int16_t) * Mc, 2);
-    parent = take(sizeof(int16_t) * (N + 1), 2);
-    rank = take(sizeof(int16_t) * (N + 1), 2);
     order = take(sizeof(int16_t) * (N + 1), 2);
     pool_depth = take(C, 1);
     has_next = take(C, 1);
     has_child = take(C, 1);
-    depth = take(N + 1, 1);
     bytes = (o + 15) / 16 * 16;
   }
 };
@@ -680,13 +835,11 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
   int16_t* p_prod = reinterpret_cast<int16_t*>(smem + layout.pool_prod);
   int16_t* p_index = reinterpret_cast<int16_t*>(smem + layout.pool_index);
   int16_t* c_slot = reinterpret_cast<int16_t*>(smem + layout.cand_slot);
-  int16_t* s_parent = reinterpret_cast<int16_t*>(smem + layout.parent);
-  int16_t* s_rank = reinterpret_cast<int16_t*>(smem + layout.rank);
+  uint32_t* s_node = reinterpret_cast<uint32_t*>(smem + layout.node);
   int16_t* s_order = reinterpret_cast<int16_t*>(smem + layout.order);
   int8_t* p_depth = reinterpret_cast<int8_t*>(smem + layout.pool_depth);
   uint8_t* has_next = reinterpret_cast<uint8_t*>(smem + layout.has_next);
   uint8_t* has_child = reinterpret_cast<uint8_t*>(smem + layout.has_child);
-  int8_t* s_depth = reinterpret_cast<int8_t*>(smem + layout.depth);
 
   // Stage and check this request's log-probs in one pass: non-finite values, rows out of order,
   // max |lp| and the lowest set bit over all values (the exactness test below).
@@ -696,9 +849,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
     sh.abs_max = 0u;
     sh.lowest_bit = 1 << 20;
     sh.flags = 0;
-    s_parent[0] = -1;  // the root, for either path
-    s_rank[0] = 0;
-    s_depth[0] = 0;
+    s_node[0] = 0;     // the root, for either path
     s_order[0] = 0;    // pool slot of node 0 (read as `last` only when n = 0: then fall back)
   }
   __syncthreads();
@@ -971,9 +1122,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
         }
         const int parent = p_index[p_prefix[s]];
         bad |= parent < 0 || parent >= i;
-        s_parent[i] = static_cast<int16_t>(parent);
-        s_rank[i] = p_rank[s];
-        s_depth[i] = p_depth[s];
+        s_node[i] = node_word(parent, (p_depth[s] - 1) * K + p_rank[s], p_depth[s]);
       }
       __syncthreads();
       // Part 2: every offer of a tree node that is not in the tree pops after the last node.
@@ -1002,14 +1151,14 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
   if (tid == 0 && status == kOk) DDTREE_BLOCK_PATH(fallback, exact);
   if (__any_sync(kFullMask, fallback)) {  // block-uniform: the exact sequential loop on warp 0
     if (__any_sync(kFullMask, tid < kWarp)) {  // (votes: no divergence checks in the loop)
-      n = warp_build<M>(s_lp, D, K, budget, s_parent, s_rank, s_depth, tid);
+      n = warp_build<M>(s_lp, D, K, budget, s_node, tid);
       if (tid == 0) sh.n = n;
     }
     __syncthreads();
     n = sh.n;
     DDTREE_PHASE(7);
   }
-  write_outputs(in, out, b, n, status, s_parent, s_rank, s_depth, tid, kBlock);
+  write_outputs(in, out, b, n, status, s_node, tid, kBlock);
   DDTREE_PHASE(8);
 }
 

@@ -137,7 +137,7 @@ void launch(int grid, int threads, size_t smem_bytes, F kernel) {
 #define __host__
 #define __forceinline__ inline
 #define __noinline__ __attribute__((noinline))
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 #define __shared__ static
 #define DDTREE_DYNAMIC_SMEM(name) unsigned char* name = ::emu::dynamic_smem()
 #define threadIdx (::emu::thread_idx())
@@ -183,6 +183,8 @@ inline unsigned atomicMax(unsigned* p, unsigned v) { return emu::atomic_max(p, v
 inline int atomicMin(int* p, int v) { return emu::atomic_min(p, v); }
 inline int atomicOr(int* p, int v) { return std::atomic_ref<int>(*p).fetch_or(v); }
 inline void prefetch_l1(const void*) {}
+inline int lane_id() { return emu::tid % emu::kWarpSize; }
+inline unsigned lane_bit() { return 1u << lane_id(); }
 using std::frexp;
 using std::isfinite;
 using std::max;
