@@ -6,6 +6,7 @@
 // a rare warp-uniform path through the rank paths) and the array shifts by at most one place
 // through lane shuffles. Rows past the live frontier are skipped, so a pop costs a few dozen
 // instructions per live row and no memory traffic beyond the log-prob reads in shared memory.
+#include <cstdint>
 #ifndef DDTREE_TREE_EMULATION  // tree_cuda_emulate.cc compiles the build kernels as host C++
 #include <cuda_runtime.h>
 #define DDTREE_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
@@ -22,6 +23,15 @@ __device__ __forceinline__ unsigned lane_bit() {
   unsigned bit;
   asm volatile("mov.u32 %0, %%lanemask_eq;" : "=r"(bit));
   return bit;
+}
+// *to = *from | bits in shared memory where `on`, as predicated PTX: written as a C++ `if` on the
+// lane, nvcc branched around the whole update (a divergent branch in the pop loop).
+__device__ __forceinline__ void or_copy_if(const uint64_t* from, uint64_t* to, uint64_t bits, bool on) {
+  asm volatile(
+      "{\n .reg .pred p;\n .reg .b64 v;\n setp.ne.b32 p, %3, 0;\n @p ld.shared.b64 v, [%0];\n"
+      " or.b64 v, v, %2;\n @p st.shared.b64 [%1], v;\n}"
+      ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(from))),
+      "r"(static_cast<unsigned>(__cvta_generic_to_shared(to))), "l"(bits), "r"(static_cast<int>(on)));
 }
 #endif
 #ifndef DDTREE_PHASE  // phase timing hooks: a profiling harness defines them (clock64 per phase)
@@ -69,15 +79,15 @@ __host__ __device__ __forceinline__ int node_depth(uint32_t w) { return static_c
 constexpr uint32_t kNextSibling = 1u << 11;  // node_word(p, i + 1, d) - node_word(p, i, d)
 
 // Shared memory of one warp-kernel block: log-probs [D][K] (staged as double when they fit, so a
-// pop converts nothing), then the node words. The pop loop reads one value past the log-probs
-// (offers that do not exist are loaded unclamped and dropped), which falls in the node words.
+// pop converts nothing) and one value of slack (the pop loop loads offers that do not exist
+// unclamped and drops them), then the node words and the mask rows.
 constexpr size_t kDoubleStagingLimit = 200 * 1024;
 constexpr int kRowMaxBudget = 64;  // budgets the one-row loop serves: ceil(64 / 2) = 32 slots
 struct BuildShared {
   size_t bytes;
   size_t node_offset, mask_offset;  // mask rows: only for the one-row loop, which builds them
   __host__ __device__ BuildShared(int D, int K, int N, size_t staged_size) {
-    node_offset = staged_size * static_cast<size_t>(D) * K;
+    node_offset = staged_size * (static_cast<size_t>(D) * K + 1);
     mask_offset = (node_offset + sizeof(uint32_t) * (N + 1) + 7) / 8 * 8;
     bytes = mask_offset + (N <= kRowMaxBudget ? sizeof(uint64_t) * (N + 1) * mask_words(N + 1) : 0);
   }
@@ -172,8 +182,8 @@ __device__ __forceinline__ Row place_offers(const Offers& o, unsigned ahead1, un
 // row holds at most 32, and one pushed past lane 31 is at position >= 33 >= budget - n, so it
 // could never pop (after n pops at most n + 1 candidates exist, so the row overflows only once
 // n >= 32).
-// With kMaskRows (words per row W = 1 or 2), the lanes also build the ancestor mask rows in s_mask
-// as nodes pop: row n = row[parent] | bit n, off the loop's chain; row 0 (the root) is the
+// With kMaskRows (words per row W = 1 or 2), lanes 0..W-1 also build the ancestor mask rows in
+// s_mask as nodes pop: row n = row[parent] | bit n, off the loop's chain; row 0 (the root) is the
 // caller's.
 template <bool kMaskRows, typename Staged>
 __device__ int warp_build_row(const Staged* s_lp, int D, int K, int budget, uint32_t* s_node,
@@ -191,13 +201,9 @@ __device__ int warp_build_row(const Staged* s_lp, int D, int K, int budget, uint
     row = place_offers(pending, ahead1, ahead2, row, lane, bit);
     ++n;
     if (lane == 0) s_node[n] = head;
-    if constexpr (kMaskRows) {
-      // Lane j does word j mod W, so the lanes of one word store the same value to the same
-      // place: no lane-divergent `if` (nvcc made one a branch around the whole update).
-      const int word = lane & (W - 1);
-      s_mask[n * W + word] =
-          s_mask[node_parent(head) * W + word] | ((n >> 6) == word ? uint64_t{1} << (n & 63) : 0);
-    }
+    if constexpr (kMaskRows)  // lane w < W: word w
+      or_copy_if(s_mask + node_parent(head) * W + lane, s_mask + n * W + lane,
+                 (n >> 6) == lane ? uint64_t{1} << (n & 63) : 0, lane < W);
     const Offers o = offers_of(head, head_score, n, lp, D, K);
     const double second_score = __shfl_sync(kFullMask, row.score, 0);
     const uint32_t second = __shfl_sync(kFullMask, row.cand, 0);
@@ -557,8 +563,8 @@ struct BlockShared {
     };
     pool_score = take(sizeof(double) * C, 8);
     cand_score = take(sizeof(double) * Mc, 8);
-    lp = take(staged_size * static_cast<size_t>(D) * K, 8);
-    offs = take(sizeof(int32_t) * C, 4);  // also the slack the pop loop reads past lp
+    lp = take(staged_size * (static_cast<size_t>(D) * K + 1), 8);  // + the pop loop's slack
+    offs = take(sizeof(int32_t) * C, 4);
     node = take(sizeof(uint32_t) * (N + 1), 4);
     pool_prefix = take(sizeof(int16_t) * C, 2);
     pool_rank = take(sizeof(int16_t) * C, 2);

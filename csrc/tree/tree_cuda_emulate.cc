@@ -185,6 +185,9 @@ inline int atomicOr(int* p, int v) { return std::atomic_ref<int>(*p).fetch_or(v)
 inline void prefetch_l1(const void*) {}
 inline int lane_id() { return emu::tid % emu::kWarpSize; }
 inline unsigned lane_bit() { return 1u << lane_id(); }
+inline void or_copy_if(const uint64_t* from, uint64_t* to, uint64_t bits, bool on) {
+  if (on) *to = *from | bits;
+}
 using std::frexp;
 using std::isfinite;
 using std::max;
