@@ -85,9 +85,9 @@ def _launch_cuda(kernel, args, device: torch.device) -> None:
 
 
 CUDA_KERNELS = ("auto", "block", "warp")
-# H200, D 16, K = budget, batch 64, kernel time (µs) block / warp (kernels.txt, 2026-11-30 10:27):
-# 16: 14.1 / 4.2, 32: 15.7 / 6.2, 64: 26.5 / 10.9, 128: 29.4 / 29.8, 256: 41.1 / 97.5, 384: 56.8 / 209,
-# 512: 66.2 / 374, 1024: 131 / 1353 (batch 128 within 6%). Hence the block kernel from 128 up. A
+# H200, D 16, K = budget, batch 64, kernel time (µs) block / warp (kernels.txt, 2026-11-30 12:45):
+# 16: 14.3 / 3.5, 32: 16.0 / 4.8, 64: 26.9 / 7.7, 128: 29.9 / 32.0, 256: 41.8 / 95.0, 384: 57.3 / 207,
+# 512: 66.6 / 347, 1024: 133 / 1294 (batch 128 within 6%). Hence the block kernel from 128 up. A
 # request whose rows overflow the block kernel's pool (peaked rows at budgets >= ~768) falls back
 # to the warp loop inside it, which then sets the batch's time: ~7% over the warp kernel alone.
 BLOCK_KERNEL_BUDGETS = range(128, 1025)
