@@ -1,11 +1,12 @@
 // CUDA backend: no host synchronisation, capturable in a CUDA graph.
 //
 // Build keeps the frontier as one array in pop order, in registers, strided over the warp
-// (position j = 32 * k + lane in row k). A pop takes position 0; its two offers find their
-// positions with one warp reduction each (compares are branch-free; exactly equal scores take
-// a rare warp-uniform path through the rank paths) and the array shifts by at most one place
-// through lane shuffles. Rows past the live frontier are skipped, so a pop costs a few dozen
-// instructions per live row and no memory traffic beyond the log-prob reads in shared memory.
+// (position j = 32 * k + lane in row k). A pop takes the head; its two offers find their
+// positions with one ballot each (compares are branch-free; exactly equal scores take a rare
+// warp-uniform path through the rank paths) and the array shifts by at most one place through
+// lane shuffles. Budgets <= 64 fit one row, whose loop (warp_build_row) is software-pipelined;
+// more rows skip those past the live frontier. No memory traffic beyond the log-prob reads and
+// the node words in shared memory. The block kernel further down selects in parallel instead.
 #include <cstdint>
 #ifndef DDTREE_TREE_EMULATION  // tree_cuda_emulate.cc compiles the build kernels as host C++
 #include <cuda_runtime.h>
