@@ -105,7 +105,6 @@ __device__ __noinline__ bool tie_pops_before(uint32_t a, uint32_t b, const uint3
                            });
 }
 
-
 // The two offers of a popped head (node n): its next sibling and its first child, in pop order
 // (s1 first), scored in the contract's float64 operation order. An offer that does not exist
 // scores -inf, which lands it past every live position. The loads are unclamped (one that does
@@ -214,9 +213,13 @@ __device__ int warp_build_row(const Staged* s_lp, int D, int K, int budget, uint
     const unsigned ahead_sibling = __ballot_sync(kFullMask, row.score >= o.sibling);
     ahead1 = o.child_first ? ahead_child : ahead_sibling;
     ahead2 = o.child_first ? ahead_sibling : ahead_child;
-    head_score = ahead1 == 0 ? o.s1 : second_score;
-    head = ahead1 == 0 ? o.c1 : second;
-    lp = pop_loads(head, s_lp, K);
+    // The next head and its log-probs, from ahead1 (again after a tie).
+    const auto take_head = [&] {
+      head_score = ahead1 == 0 ? o.s1 : second_score;
+      head = ahead1 == 0 ? o.c1 : second;
+      lp = pop_loads(head, s_lp, K);
+    };
+    take_head();
     const bool more = n < budget && head_score > -INFINITY;  // -inf: the frontier is empty
     pending = o;
     // Bitwise, not short-circuit: nvcc otherwise branches around the compares.
@@ -231,9 +234,7 @@ __device__ int warp_build_row(const Staged* s_lp, int D, int K, int budget, uint
       if (real && row.score == o.s2) a2 = tie_pops_before(row.cand, o.c2, s_node);
       ahead1 = __ballot_sync(kFullMask, a1);
       ahead2 = __ballot_sync(kFullMask, a2);
-      head_score = ahead1 == 0 ? o.s1 : second_score;
-      head = ahead1 == 0 ? o.c1 : second;
-      lp = pop_loads(head, s_lp, K);
+      take_head();
     }
     if (!more) break;
   }
