@@ -56,7 +56,7 @@ static const char* kPhaseNames[16] = {"stage+checks", "level count+scan", "level
 
 int main(int argc, char** argv) {
   if (argc < 8) {
-    fprintf(stderr, "tree_phases LP IDS BATCH D K BUDGET block|warp [ITERS]\n");
+    fprintf(stderr, "tree_phases LP IDS BATCH D K BUDGET block|warp [ITERS]   (TREE_PHASES_DUMP=FILE: write the trees)\n");
     return 2;
   }
   const int batch = atoi(argv[3]), D = atoi(argv[4]), K = atoi(argv[5]), N = atoi(argv[6]);
@@ -102,6 +102,20 @@ int main(int argc, char** argv) {
   std::vector<int32_t> nodes(batch), status(batch);
   cudaMemcpy(nodes.data(), out.num_nodes, 4L * batch, cudaMemcpyDeviceToHost);
   cudaMemcpy(status.data(), out.status, 4L * batch, cudaMemcpyDeviceToHost);
+  if (const char* dump = getenv("TREE_PHASES_DUMP")) {  // the trees, to compare two builds
+    std::vector<int32_t> parents(long{batch} * (N + 1)), tokens(long{batch} * N);
+    std::vector<uint64_t> mask(long{batch} * (N + 1) * W);
+    cudaMemcpy(parents.data(), out.parents, 4 * parents.size(), cudaMemcpyDeviceToHost);
+    cudaMemcpy(tokens.data(), out.tokens, 4 * tokens.size(), cudaMemcpyDeviceToHost);
+    cudaMemcpy(mask.data(), out.mask, 8 * mask.size(), cudaMemcpyDeviceToHost);
+    FILE* f = fopen(dump, "wb");
+    if (!f) return 2;
+    fwrite(nodes.data(), 4, nodes.size(), f);
+    fwrite(parents.data(), 4, parents.size(), f);
+    fwrite(tokens.data(), 4, tokens.size(), f);
+    fwrite(mask.data(), 8, mask.size(), f);
+    fclose(f);
+  }
   long total_nodes = 0;
   int bad = 0;
   for (int i = 0; i < batch; ++i) {
