@@ -16,8 +16,8 @@ Otherwise the pool replays the contract's sibling chain (score - lp[r] + lp[r+1]
    before it, so a tree of `budget` nodes never holds a larger product). The children of one
    parent are a prefix of its row, written to consecutive slots.
 2. Threshold. tau starts at -inf; when more than 2 * budget pool nodes are live after a level
-   (and once at the end, when more than budget are), tau rises to the smallest score among the histogram
-   bins that hold the top >= budget live nodes. The bins (256) are laid over [min, max] of the
+   (and once at the end, when more than budget are), tau rises to the lower edge (less a
+   rounding margin) of the histogram bins that hold the top >= budget live nodes. The bins (256) are laid over [min, max] of the
    live scores at the first rise and stay; later nodes are added to them as they are written.
    When the pool is over half full, a level whose children would cause a rise takes it before
    they are written: they join the bins, and only those above the new tau are written (dead
@@ -85,7 +85,6 @@ class _Grid:
         self.mn = min(scores)
         self.scale = BINS / (max(scores) - self.mn)
         self.hist = [0] * BINS
-        self.bin_min = [math.inf] * BINS
         for s in scores:
             self.add(s)
 
@@ -94,24 +93,29 @@ class _Grid:
         return BINS - 1 if t >= BINS else (int(t) if t > 0.0 else 0)
 
     def add(self, s):
-        k = self.bin_of(s)
-        self.hist[k] += 1
-        self.bin_min[k] = min(self.bin_min[k], s)
+        self.hist[self.bin_of(s)] += 1
 
-    def rise(self, budget):
-        """(tau, live): the top bins holding >= budget nodes, tau the smallest score in them."""
+    def floor(self, cut):
+        """bin_floor of the kernel: below every score whose bin is >= cut (rounding covered)."""
+        width = cut / self.scale
+        return (self.mn + width) - 2.0 ** -40 * (abs(self.mn) + width)
+
+    def rise(self, budget, tau):
+        """(tau, live): the top bins holding >= budget nodes, tau their lower edge (kept at a cut
+        in bin 0, which also holds the scores below the grid's min)."""
         suffix = 0
         for k in range(BINS - 1, -1, -1):
             suffix += self.hist[k]
             if suffix >= budget:
-                return self.bin_min[k], suffix
+                return (max(tau, self.floor(k)) if k > 0 else tau), suffix
         raise AssertionError("a rise needs more than budget live nodes")
 
 
-def _rise(score, live_slots, budget, grid, new_scores=()):
+def _rise(score, live_slots, budget, grid, tau, new_scores=()):
     """A rise: new_scores (not yet in the grid: a level's children before they are written) join
-    it, or the grid is laid over the live scores and them. Returns (tau, live slots >= tau, grid),
-    or None when there is no grid (all those scores equal)."""
+    it, or the grid is laid over the live scores and them. Returns (tau, live slots >= tau, grid,
+    counted), counted being the nodes in the kept bins (the kernel's `live`; the slots >= tau may
+    include a sliver of the bin below), or None when there is no grid (all those scores equal)."""
     if grid is None:
         scores = [score[s] for s in live_slots] + list(new_scores)
         if not max(scores) - min(scores) > 0.0:
@@ -120,8 +124,8 @@ def _rise(score, live_slots, budget, grid, new_scores=()):
     else:
         for sc in new_scores:
             grid.add(sc)
-    tau, _ = grid.rise(budget)
-    return tau, [s for s in live_slots if score[s] >= tau], grid
+    tau, counted = grid.rise(budget, tau)
+    return tau, [s for s in live_slots if score[s] >= tau], grid, counted
 
 
 def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, product_bound: int | None = None,
@@ -139,6 +143,7 @@ def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, produc
     tau = -math.inf
     grid = None
     live: list[int] = []
+    counted = 0  # the kernel's count of live nodes (the bins' count after a rise)
     lo, hi = 0, 1
     for d in range(1, depth_limit + 1):
         row = lp[d - 1]
@@ -170,10 +175,10 @@ def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, produc
         # When the pool is tight, the rise these children would cause once written is taken
         # before they take pool slots; otherwise it follows their writing.
         risen = False
-        if total and len(live) + total > TIGHTEN_FACTOR * budget and len(score) + total > capacity // 2:
-            t = _rise(score, live, budget, grid, [sc for _, kids in children for sc in kids])
+        if total and counted + total > TIGHTEN_FACTOR * budget and len(score) + total > capacity // 2:
+            t = _rise(score, live, budget, grid, tau, [sc for _, kids in children for sc in kids])
             if t is not None:
-                tau, live, grid = t
+                tau, live, grid, counted = t
                 children = children_above(tau)
                 total = sum(len(kids) for _, kids in children)
                 risen = True
@@ -193,18 +198,20 @@ def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, produc
                 prod.append((j + 1) * prod[p])
         hi = len(score)
         live.extend(range(lo, hi))
-        if not risen and len(live) > TIGHTEN_FACTOR * budget:
-            t = _rise(score, live, budget, grid)
+        if not risen:
+            counted += total
+        if not risen and counted > TIGHTEN_FACTOR * budget:
+            t = _rise(score, live, budget, grid, tau)
             if t is not None:
-                tau, live, grid = t
+                tau, live, grid, counted = t
     if stats is not None:
         stats["pool"] = len(score)
-    if len(live) > budget:
-        t = _rise(score, live, budget, grid)
+    if counted > budget:
+        t = _rise(score, live, budget, grid, tau)
         if t is not None:
-            tau, live, grid = t
+            tau, live, grid, counted = t
     m = len(live)
-    if m > CANDIDATE_FACTOR * budget:
+    if counted > CANDIDATE_FACTOR * budget or m > CANDIDATE_FACTOR * budget:
         return fallback("candidates")
     # Rank by counting.
     order = {}

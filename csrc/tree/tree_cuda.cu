@@ -382,11 +382,13 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, uint32_t
   else return warp_build_rows<M>(s_lp, D, K, budget, s_node, lane);
 }
 
-// Outputs of request b, padding included, by threads tid = 0..nthreads-1.
-// s_mask: the mask rows built by the pop loop, or nullptr (each word from an ancestor walk).
+// Outputs of request b, padding included, by threads tid = 0..nthreads-1 (all of the block's
+// threads: with scratch it has barriers). s_mask: the mask rows built by the pop loop, or nullptr
+// (ancestor walks). scratch: shared memory free for scratch_words words, or nullptr.
 __device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int b, int n,
                               int32_t status, const uint32_t* s_node, int tid, int nthreads,
-                              const uint64_t* s_mask = nullptr) {
+                              const uint64_t* s_mask = nullptr, uint64_t* scratch = nullptr,
+                              long scratch_words = 0) {
   const int D = in.depth, K = in.topk, N = in.max_budget, W = mask_words(N + 1);
   const int32_t* ids = in.ids + static_cast<long>(b) * D * K;
   int32_t* tokens = out.tokens + static_cast<long>(b) * N;
@@ -405,24 +407,52 @@ __device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int 
     }
   }
   for (int i = tid; i <= N; i += nthreads) parents[i] = (i >= 1 && i <= n) ? node_parent(s_node[i]) : -1;
-  // Row i, word w: the ancestors of i (parents have smaller indices) that fall in the word; the
-  // root (bit 0 of word 0) is everyone's.
-  for (int idx = tid; idx < (N + 1) * W; idx += nthreads) {
-    const int row = idx / W, lo = (idx - row * W) * 64;
-    uint64_t bits = 0;
-    if (row <= n && s_mask != nullptr) {
-      bits = s_mask[idx];
-    } else if (row <= n) {
-      for (int v = row; v >= lo && v > 0; v = node_parent(s_node[v]))
-        if (v < lo + 64) bits |= uint64_t{1} << (v - lo);
-      if (lo == 0) bits |= 1;
+  auto finish = [&] {
+    if (tid == 0) {
+      out.num_nodes[b] = n;
+      out.status[b] = status;
     }
-    mask[idx] = bits;
+  };
+  if (s_mask != nullptr) {  // the loop's rows, word by word (coalesced); padding rows 0
+    for (int idx = tid; idx < (N + 1) * W; idx += nthreads) mask[idx] = idx < (n + 1) * W ? s_mask[idx] : 0;
+    return finish();
   }
-  if (tid == 0) {
-    out.num_nodes[b] = n;
-    out.status[b] = status;
+  // One ancestor walk per row, nthreads rows at a time. Parents have smaller indices, so the walk
+  // visits the row's words from its own down to word 0 (the root, bit 0, is everyone's ancestor),
+  // each word stored as the walk leaves it: straight to the output rows (a store per row and
+  // word, strided), or, for rows of 8 words or more, into `scratch` (when it holds nthreads rows)
+  // and copied out coalesced. Until 2026-11-30 each word was a walk of its own. H200, block
+  // kernel, batch 64, outputs per request: budget 1024 (17 words) 19.3 us -> 18.6 strided / 7.6
+  // staged; 512 (9 words) 6.5 -> 4.3 / 3.5; 256 (5 words) 2.5 -> 1.6 / 2.1.
+  const bool staged = W >= 8 && scratch != nullptr && static_cast<long>(nthreads) * W <= scratch_words;
+  for (int first = 0; first <= N; first += nthreads) {  // uniform trips: barriers inside
+    const int row = first + tid;
+    uint64_t* dst = staged ? scratch + static_cast<long>(tid) * W : mask + static_cast<long>(row) * W;
+    if (row <= N) {
+      const int own = row <= n ? row / 64 : -1;
+      for (int w = W - 1; w > own; --w) dst[w] = 0;
+      if (row <= n) {
+        int word = own;
+        uint64_t bits = 0;
+        for (int v = row;; v = node_parent(s_node[v])) {
+          for (; v / 64 < word; --word) {
+            dst[word] = bits;
+            bits = 0;
+          }
+          bits |= uint64_t{1} << (v % 64);
+          if (v == 0) break;
+        }
+        dst[0] = bits;
+      }
+    }
+    if (staged) {
+      __syncthreads();
+      const int words = min(nthreads, N + 1 - first) * W;
+      for (int i = tid; i < words; i += nthreads) mask[static_cast<long>(first) * W + i] = scratch[i];
+      __syncthreads();
+    }
   }
+  finish();
 }
 
 // Stages a request's log-probs in shared memory (as Staged) by threads tid = 0..nthreads-1, in one
@@ -584,7 +614,6 @@ struct BlockShared {
 struct BlockScalars {
   int warp_sums[kBlock / kWarp];
   int hist[kBins];
-  unsigned long long bin_min[kBins];
   unsigned long long key_min, key_max;
   int total, cut_bin, cut_live, m, n;
   unsigned int abs_max;  // float bits of max |lp|
@@ -654,25 +683,36 @@ __device__ __forceinline__ int bin_of(double s, double mn, double scale) {
 }
 
 // Threshold rises. The first one lays a grid of kBins bins over [min, max] of the live scores
-// and fills hist / bin_min (count and smallest key per bin) from the pool; the grid then stays,
-// every later pool node is added to its bin as it is written, and a later rise is a scan of the
-// bins alone. A rise keeps the top bins holding >= budget live nodes: tau becomes the smallest
-// score in them, and the bins below hold only dead nodes from then on (the scans never reach
-// them again: the cut only moves up). Scores above the grid (positive log-probs) land in the
-// top bin. Block-uniform arguments; every thread returns the same tau, live and grid.
+// and fills hist (a count per bin) from the pool; the grid then stays, every later pool node is
+// added to its bin as it is written, and a later rise is a scan of the bins alone. A rise keeps
+// the top bins holding >= budget live nodes: tau becomes the cut bin's lower edge, less a margin
+// that covers the rounding of bin_of, so every node in those bins stays live (a sliver of the bin
+// below may too: live but not counted, which only makes the pool larger). The bins below hold
+// only dead nodes from then on (the scans never reach them again: the cut only moves up). Scores
+// above the grid (positive log-probs) land in the top bin. Until 2026-11-30 tau was the smallest
+// score in the cut bin, kept per bin by a 64-bit shared atomicMin on every node: a CAS loop
+// (ATOMS.CAST.SPIN.64) that serialised the lanes of a warp writing siblings into one bin.
+// Block-uniform arguments; every thread returns the same tau, live and grid.
 struct Grid {
   double mn = 0.0, scale = 0.0;
   bool on = false;
 };
 
 __device__ __forceinline__ void add_to_grid(const Grid& grid, double s, BlockScalars& sh) {
-  const int bin = bin_of(s, grid.mn, grid.scale);
-  atomicAdd(&sh.hist[bin], 1);
-  atomicMin(&sh.bin_min[bin], order_key(s));
+  atomicAdd(&sh.hist[bin_of(s, grid.mn, grid.scale)], 1);
 }
 
-// tau and live from the bins: the cut is the bin where the suffix count reaches budget.
-__device__ void rise_from_grid(double& tau, int& live, int budget, BlockScalars& sh) {
+// A lower bound on every score s with bin_of(s) >= cut (cut >= 1): s >= mn + (cut / scale) *
+// (1 - 2^-50) from the rounding of bin_of's subtraction and product; the margin 2^-40 * (|mn| +
+// width) also covers the rounding of this sum.
+__device__ __forceinline__ double bin_floor(const Grid& grid, int cut) {
+  const double width = static_cast<double>(cut) / grid.scale;
+  return (grid.mn + width) - 0x1p-40 * (fabs(grid.mn) + width);
+}
+
+// tau and live from the bins: the cut is the bin where the suffix count reaches budget. A cut at
+// bin 0 keeps tau (nodes below the grid's min sit in bin 0 too).
+__device__ void rise_from_grid(const Grid& grid, double& tau, int& live, int budget, BlockScalars& sh) {
   const int tid = threadIdx.x;
   const int h = sh.hist[kBins - 1 - tid];  // thread t scans bin kBins - 1 - t
   int unused;
@@ -682,7 +722,7 @@ __device__ void rise_from_grid(double& tau, int& live, int budget, BlockScalars&
     sh.cut_live = suffix;
   }
   __syncthreads();
-  tau = key_double(sh.bin_min[sh.cut_bin]);
+  if (sh.cut_bin > 0) tau = fmax(tau, bin_floor(grid, sh.cut_bin));
   live = sh.cut_live;
   __syncthreads();  // everyone has read the scalars
 }
@@ -697,7 +737,6 @@ __device__ bool lay_grid(ForEachScore for_each_score, Grid& grid, BlockScalars& 
     sh.key_max = 0ull;
   }
   sh.hist[tid] = 0;
-  sh.bin_min[tid] = ~0ull;
   __syncthreads();
   unsigned long long kmin = ~0ull, kmax = 0ull;
   for_each_score([&](double s) {
@@ -746,31 +785,26 @@ __device__ bool rise(const double* score, int count, double& tau, int& live, int
     };
     if (!lay_grid(live_and_new, grid, sh)) return false;
   }
-  rise_from_grid(tau, live, budget, sh);
+  rise_from_grid(grid, tau, live, budget, sh);
   return true;
 }
 
-// Sorts keys[0, n) ascending, slots alongside (n a power of two >= 64; all threads of the block
-// call it). A bitonic network: steps between elements of one 64-element chunk run in registers
-// (lane l holds chunk elements l and l + 32; partners by shuffle), only the wider steps go
-// through shared memory with a barrier each. Equal keys never swap.
-__device__ void chunk_steps(unsigned long long* keys, int16_t* slots, int n, int k_first, int k_last) {
+// Sorts keys[0, n) ascending (n a power of two >= 64; all threads of the block call it). A
+// bitonic network: steps between elements of one 64-element chunk run in registers (lane l holds
+// chunk elements l and l + 32; partners by shuffle), only the wider steps go through shared
+// memory with a barrier each. The keys carry their payload in their low bits (the candidates'
+// pool slots), so one 64-bit word moves per element.
+__device__ void chunk_steps(unsigned long long* keys, int n, int k_first, int k_last) {
   const int lane = threadIdx.x % kWarp;
   for (int base = 64 * (threadIdx.x / kWarp); base < n; base += 64 * (kBlock / kWarp)) {
     unsigned long long key[2] = {keys[base + lane], keys[base + 32 + lane]};
-    int slot[2] = {slots[base + lane], slots[base + 32 + lane]};
     for (int k = k_first; k <= k_last; k *= 2) {
       for (int j = min(k / 2, 32); j > 0; j /= 2) {
         if (j == 32) {  // partners in one lane (k >= 64, so both share the direction)
           const bool up = ((base + lane) & k) == 0;
-          if ((key[0] > key[1]) == up && key[0] != key[1]) {
-            const unsigned long long t = key[0];
-            key[0] = key[1];
-            key[1] = t;
-            const int u = slot[0];
-            slot[0] = slot[1];
-            slot[1] = u;
-          }
+          const unsigned long long lo = min(key[0], key[1]), hi = max(key[0], key[1]);
+          key[0] = up ? lo : hi;
+          key[1] = up ? hi : lo;
           continue;
         }
         const bool lower = (lane & j) == 0;
@@ -778,43 +812,45 @@ __device__ void chunk_steps(unsigned long long* keys, int16_t* slots, int n, int
         for (int h = 0; h < 2; ++h) {
           const bool up = ((base + 32 * h + lane) & k) == 0;
           const unsigned long long pk = __shfl_xor_sync(kFullMask, key[h], j);
-          const int ps = __shfl_xor_sync(kFullMask, slot[h], j);
           // Ascending: the lower position keeps the smaller key, the higher one the larger.
-          if (lower == up ? pk < key[h] : pk > key[h]) {
-            key[h] = pk;
-            slot[h] = ps;
-          }
+          key[h] = lower == up ? min(key[h], pk) : max(key[h], pk);
         }
       }
     }
     keys[base + lane] = key[0];
     keys[base + 32 + lane] = key[1];
-    slots[base + lane] = static_cast<int16_t>(slot[0]);
-    slots[base + 32 + lane] = static_cast<int16_t>(slot[1]);
   }
 }
 
-__device__ void bitonic_sort(unsigned long long* keys, int16_t* slots, int n) {
-  chunk_steps(keys, slots, n, 2, 64);
+__device__ void bitonic_sort(unsigned long long* keys, int n) {
+  chunk_steps(keys, n, 2, 64);
   __syncthreads();
   for (int k = 128; k <= n; k *= 2) {
     for (int j = k / 2; j >= 64; j /= 2) {
       for (int i = threadIdx.x; i < n / 2; i += kBlock) {
         const int a = 2 * i - (i & (j - 1)), c = a + j;  // the pair (a, a + j), bit j of a clear
         const unsigned long long ka = keys[a], kc = keys[c];
-        if ((ka > kc) == ((a & k) == 0) && ka != kc) {
+        if ((ka > kc) == ((a & k) == 0)) {
           keys[a] = kc;
           keys[c] = ka;
-          const int16_t t = slots[a];
-          slots[a] = slots[c];
-          slots[c] = t;
         }
       }
       __syncthreads();
     }
-    chunk_steps(keys, slots, n, k, k);
+    chunk_steps(keys, n, k, k);
     __syncthreads();
   }
+}
+
+// A candidate's sort key: the order key of its score, descending, with the low kSlotBits bits
+// replaced by its pool slot. Keys equal above those bits form a run (exactly equal scores, or
+// scores within ~2^-39 of each other), which the contract's order re-ranks after the sort.
+constexpr int kSlotBits = 13;
+constexpr unsigned long long kSlotMask = (1ull << kSlotBits) - 1;
+static_assert(kMaxPool <= (1 << kSlotBits), "pool slots must fit the sort key's low bits");
+__device__ __forceinline__ unsigned long long candidate_key(double score, int slot) {
+  // +0.0 folds -0.0 into 0.0: they compare equal, so they must share a run too.
+  return (~order_key(score + 0.0) & ~kSlotMask) | static_cast<unsigned long long>(slot);
 }
 
 // The contract's order between pool candidates (prefix slot, rank, depth) with scores.
@@ -942,7 +978,14 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
             const double base = p_score[p];
             const int limit = min(K, budget / p_prod[p]);
             if (exact) {  // children j < c: base + row[j] >= tau, a prefix (rows descend)
+              // Galloping (probes 0, 1, 3, 7, ...), then a binary search between the last two
+              // probes: most live parents have few children, so ~log2(c) + 1 loads, not log2(limit).
               int a = 0, z = limit;
+              for (int probe = 0; probe < z;) {
+                if (base + static_cast<double>(row[probe]) >= tau) a = probe + 1;
+                else z = probe;
+                probe = 2 * probe + 1;
+              }
               while (a < z) {
                 const int mid = (a + z) / 2;
                 if (base + static_cast<double>(row[mid]) >= tau) a = mid + 1;
@@ -961,32 +1004,43 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
         }
       };
       // Counts to offsets (a block scan over contiguous chunks of parents); returns the total.
+      bool mapped = false;  // scan_children mapped every child slot to its parent
       auto scan_children = [&]() {
         __syncthreads();  // counts complete
         int mine = 0;
         for (int p = first; p < last; ++p) mine += offs[p - lo];
         int total;
         int off = block_inclusive_scan(mine, sh, &total) - mine;
+        // Exact sums, children fitting the pool: each child's slot gets its parent now (the
+        // pool's prefix field), so that a thread per child finds it without a search. (H200,
+        // budget 256, per request: writes 6.2 -> 2.7 us, counts and scan 8.3 -> 10.6. Large
+        // families left to the thread's warp instead, to even out the threads: slower, 14.1.)
+        mapped = exact && count + total <= C;
         for (int p = first; p < last; ++p) {
           const int c = offs[p - lo];
           offs[p - lo] = off;
+          if (mapped)
+            for (int j = 0; j < c; ++j) p_prefix[count + off + j] = static_cast<int16_t>(p);
           off += c;
         }
-        __syncthreads();  // offsets complete
+        __syncthreads();  // offsets (and the map) complete
         return total;
       };
       // fn(slot offset i, parent, rank, score) for every child of the level, each thread its share:
-      // one thread per child for exact sums (its parent by binary search over the offsets), one
-      // per parent replaying the contract's chain otherwise.
+      // one thread per child for exact sums (its parent from the map scan_children wrote, or by
+      // binary search over the offsets when they do not fit the pool), one per parent replaying
+      // the contract's chain otherwise.
       auto for_each_child = [&](int total, auto fn) {
         if (exact) {
           for (int i = tid; i < total; i += kBlock) {
             int a = 0, z = P - 1;  // the last parent whose offset is <= i
-            while (a < z) {
-              const int mid = (a + z + 1) / 2;
-              if (offs[mid] <= i) a = mid;
-              else z = mid - 1;
-            }
+            if (mapped) a = p_prefix[count + i] - lo;
+            else
+              while (a < z) {
+                const int mid = (a + z + 1) / 2;
+                if (offs[mid] <= i) a = mid;
+                else z = mid - 1;
+              }
             const int p = lo + a, j = i - offs[a];
             fn(i, p, j, p_score[p] + static_cast<double>(row[j]));
           }
@@ -1069,42 +1123,44 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
         if (tid % kWarp == 0 && live_lanes) base = atomicAdd(&sh.m, __popc(live_lanes));
         base = __shfl_sync(kFullMask, base, 0);
         const int at = base + __popc(live_lanes & ((1u << (tid % kWarp)) - 1u));
-        if (is_live && at < kCandidateFactor * budget) {  // == live <= 4 * budget: always, kept safe
+        if (is_live && at < kCandidateFactor * budget) {
           c_slot[at] = static_cast<int16_t>(s);
           c_score[at] = p_score[s];
         }
       }
       __syncthreads();
-      const int m = min(sh.m, kCandidateFactor * budget);  // sh.m == live
+      // sh.m >= live: tau may keep a sliver of the bin below the cut (bin_floor).
+      fallback = sh.m > kCandidateFactor * budget;
       DDTREE_PHASE(4);
+    }
+    if (!fallback) {
+      const int m = sh.m;
       n = min(m, budget);
       // Rank: a bitonic sort of the candidates by score (keys ascending = scores descending,
-      // padded to a power of two), then runs of exactly equal scores put in rank-path order by
-      // counting within the run. The first `budget` become nodes 1..n.
+      // padded to a power of two), then each run of keys equal above the slot bits put in the
+      // contract's order (score, then rank path) by counting within the run. The first
+      // `budget` become nodes 1..n.
       unsigned long long* c_key = reinterpret_cast<unsigned long long*>(c_score);  // in place
       const int P2 = sort_length(m);
-      for (int i = tid; i < P2; i += kBlock) {
-        // +0.0 folds -0.0 into 0.0: they compare equal, so they must tie here too.
-        c_key[i] = i < m ? ~order_key(c_score[i] + 0.0) : ~0ull;
-        if (i >= m) c_slot[i] = -1;
-      }
+      for (int i = tid; i < P2; i += kBlock) c_key[i] = i < m ? candidate_key(c_score[i], c_slot[i]) : ~0ull;
       __syncthreads();
-      bitonic_sort(c_key, c_slot, P2);
+      bitonic_sort(c_key, P2);
       for (int i = tid; i < m; i += kBlock) {
-        const unsigned long long ki = c_key[i];
-        const int s = c_slot[i];
+        const unsigned long long ki = c_key[i] >> kSlotBits;
+        const int s = static_cast<int>(c_key[i] & kSlotMask);
         int r = i;
-        if ((i > 0 && c_key[i - 1] == ki) || (i + 1 < m && c_key[i + 1] == ki)) {
+        if ((i > 0 && c_key[i - 1] >> kSlotBits == ki) || (i + 1 < m && c_key[i + 1] >> kSlotBits == ki)) {
           int first = i, end = i + 1;
-          while (first > 0 && c_key[first - 1] == ki) --first;
-          while (end < m && c_key[end] == ki) ++end;
+          while (first > 0 && c_key[first - 1] >> kSlotBits == ki) --first;
+          while (end < m && c_key[end] >> kSlotBits == ki) ++end;
           r = first;
           if (first < budget) {
+            const double si = p_score[s];
             const int pi = p_prefix[s], ri = p_rank[s], di = p_depth[s];
             for (int j = first; j < end; ++j) {
-              const int t = c_slot[j];
+              const int t = static_cast<int>(c_key[j] & kSlotMask);
               if (t != s)
-                r += rank_path_less(p_prefix[t], p_rank[t], p_depth[t], pi, ri, di, p_prefix, p_rank);
+                r += pool_before(p_score[t], p_prefix[t], p_rank[t], p_depth[t], si, pi, ri, di, p_prefix, p_rank);
             }
           } else {
             r = budget;  // the whole run ranks after the tree
@@ -1166,7 +1222,9 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
     n = sh.n;
     DDTREE_PHASE(7);
   }
-  write_outputs(in, out, b, n, status, s_node, tid, kBlock);
+  // The pool's scores and the sort keys are dead by now: the mask rows are staged there.
+  write_outputs(in, out, b, n, status, s_node, tid, kBlock, nullptr, reinterpret_cast<uint64_t*>(smem),
+                static_cast<long>(layout.lp / sizeof(uint64_t)));
   DDTREE_PHASE(8);
 }
 
