@@ -56,7 +56,7 @@ static const char* kPhaseNames[16] = {"stage+checks", "level count+scan", "level
 
 int main(int argc, char** argv) {
   if (argc < 8) {
-    fprintf(stderr, "tree_phases LP IDS BATCH D K BUDGET block|warp [ITERS]   (TREE_PHASES_DUMP=FILE: write the trees)\n");
+    fprintf(stderr, "tree_phases LP IDS BATCH D K BUDGET block|warp [ITERS]   (TREE_PHASES_DUMP=FILE: write the trees; TREE_PHASES_CHAINED=N: also time N launches back to back)\n");
     return 2;
   }
   const int batch = atoi(argv[3]), D = atoi(argv[4]), K = atoi(argv[5]), N = atoi(argv[6]);
@@ -93,6 +93,16 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::sort(ms.begin(), ms.end());
+  float chained_us = 0.0f;  // launches back to back between two events: kernel time plus the gap
+  if (const char* env = getenv("TREE_PHASES_CHAINED")) {
+    const int reps = atoi(env);
+    cudaEventRecord(start);
+    for (int i = 0; i < reps; ++i) run();
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    cudaEventElapsedTime(&chained_us, start, stop);
+    chained_us *= 1000.0f / reps;
+  }
 
   unsigned long long cycles[16], calls[16];
   cudaMemcpyFromSymbol(cycles, g_phase_cycles, sizeof cycles);
@@ -123,8 +133,10 @@ int main(int argc, char** argv) {
     bad += status[i] != 0;
   }
   printf("%s batch %d D %d K %d budget %d: event median %.1f us (min %.1f); nodes/req %.1f status!=0 %d; "
-         "clock %d MHz\n", block ? "block" : "warp", batch, D, K, N, 1000 * ms[ms.size() / 2], 1000 * ms[0],
+         "clock %d MHz", block ? "block" : "warp", batch, D, K, N, 1000 * ms[ms.size() / 2], 1000 * ms[0],
          double(total_nodes) / batch, bad, khz / 1000);
+  if (chained_us > 0.0f) printf("; chained %.2f us", chained_us);
+  printf("\n");
   const double per_request = double(iters) * batch;
   for (int i = 0; i < 16; ++i)
     if (calls[i])

@@ -383,12 +383,16 @@ __device__ int warp_build(const Staged* s_lp, int D, int K, int budget, uint32_t
 }
 
 // Outputs of request b, padding included, by threads tid = 0..nthreads-1 (all of the block's
-// threads: with scratch it has barriers). s_mask: the mask rows built by the pop loop, or nullptr
-// (ancestor walks). scratch: shared memory free for scratch_words words, or nullptr.
+// threads: the staged walk has barriers). Mask rows: kWalkRows, one ancestor walk per row, staged
+// in `scratch` (shared memory free for scratch_words words, or nullptr); else word by word, copied
+// from s_mask (the rows the one-row pop loop built) or, where that is null, a walk per word. The
+// warp kernel with M = 1 (always with s_mask) keeps the word-by-word body: with the row walk
+// instead, ptxas scheduled its pop loop worse (105 -> 108 instructions, +7% kernel time at budget
+// 64), for code that runs after the loop.
+template <bool kWalkRows>
 __device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int b, int n,
                               int32_t status, const uint32_t* s_node, int tid, int nthreads,
-                              const uint64_t* s_mask = nullptr, uint64_t* scratch = nullptr,
-                              long scratch_words = 0) {
+                              const uint64_t* s_mask, uint64_t* scratch = nullptr, long scratch_words = 0) {
   const int D = in.depth, K = in.topk, N = in.max_budget, W = mask_words(N + 1);
   const int32_t* ids = in.ids + static_cast<long>(b) * D * K;
   int32_t* tokens = out.tokens + static_cast<long>(b) * N;
@@ -407,52 +411,61 @@ __device__ void write_outputs(const BuildArgs& in, const BuildOutputs& out, int 
     }
   }
   for (int i = tid; i <= N; i += nthreads) parents[i] = (i >= 1 && i <= n) ? node_parent(s_node[i]) : -1;
-  auto finish = [&] {
-    if (tid == 0) {
-      out.num_nodes[b] = n;
-      out.status[b] = status;
-    }
-  };
-  if (s_mask != nullptr) {  // the loop's rows, word by word (coalesced); padding rows 0
-    for (int idx = tid; idx < (N + 1) * W; idx += nthreads) mask[idx] = idx < (n + 1) * W ? s_mask[idx] : 0;
-    return finish();
-  }
-  // One ancestor walk per row, nthreads rows at a time. Parents have smaller indices, so the walk
-  // visits the row's words from its own down to word 0 (the root, bit 0, is everyone's ancestor),
-  // each word stored as the walk leaves it: straight to the output rows (a store per row and
-  // word, strided), or, for rows of 8 words or more, into `scratch` (when it holds nthreads rows)
-  // and copied out coalesced. Until 2026-11-30 each word was a walk of its own. H200, block
-  // kernel, batch 64, outputs per request: budget 1024 (17 words) 19.3 us -> 18.6 strided / 7.6
-  // staged; 512 (9 words) 6.5 -> 4.3 / 3.5; 256 (5 words) 2.5 -> 1.6 / 2.1.
-  const bool staged = W >= 8 && scratch != nullptr && static_cast<long>(nthreads) * W <= scratch_words;
-  for (int first = 0; first <= N; first += nthreads) {  // uniform trips: barriers inside
-    const int row = first + tid;
-    uint64_t* dst = staged ? scratch + static_cast<long>(tid) * W : mask + static_cast<long>(row) * W;
-    if (row <= N) {
-      const int own = row <= n ? row / 64 : -1;
-      for (int w = W - 1; w > own; --w) dst[w] = 0;
-      if (row <= n) {
-        int word = own;
-        uint64_t bits = 0;
-        for (int v = row;; v = node_parent(s_node[v])) {
-          for (; v / 64 < word; --word) {
-            dst[word] = bits;
-            bits = 0;
+  if constexpr (kWalkRows) {
+    // One walk per row, nthreads rows at a time. Parents have smaller indices, so the walk visits
+    // the row's words from its own down to word 0 (the root, bit 0, is everyone's ancestor), each
+    // word stored as the walk leaves it: straight to the output rows (a store per row and word,
+    // strided), or, for rows of 8 words or more, into `scratch` (when it holds nthreads rows) and
+    // copied out coalesced. H200, block kernel, batch 64, outputs per request against a walk per
+    // word (until 2026-11-30): budget 1024 (17 words) 19.3 us -> 18.6 strided / 7.6 staged; 512
+    // (9 words) 6.5 -> 4.3 / 3.5; 256 (5 words) 2.5 -> 1.6 / 2.1.
+    const bool staged = W >= 8 && scratch != nullptr && static_cast<long>(nthreads) * W <= scratch_words;
+    for (int first = 0; first <= N; first += nthreads) {  // uniform trips: barriers inside
+      const int row = first + tid;
+      uint64_t* dst = staged ? scratch + static_cast<long>(tid) * W : mask + static_cast<long>(row) * W;
+      if (row <= N) {
+        const int own = row <= n ? row / 64 : -1;
+        for (int w = W - 1; w > own; --w) dst[w] = 0;
+        if (row <= n) {
+          int word = own;
+          uint64_t bits = 0;
+          for (int v = row;; v = node_parent(s_node[v])) {
+            for (; v / 64 < word; --word) {
+              dst[word] = bits;
+              bits = 0;
+            }
+            bits |= uint64_t{1} << (v % 64);
+            if (v == 0) break;
           }
-          bits |= uint64_t{1} << (v % 64);
-          if (v == 0) break;
+          dst[0] = bits;
         }
-        dst[0] = bits;
+      }
+      if (staged) {
+        __syncthreads();
+        const int words = min(nthreads, N + 1 - first) * W;
+        for (int i = tid; i < words; i += nthreads) mask[static_cast<long>(first) * W + i] = scratch[i];
+        __syncthreads();
       }
     }
-    if (staged) {
-      __syncthreads();
-      const int words = min(nthreads, N + 1 - first) * W;
-      for (int i = tid; i < words; i += nthreads) mask[static_cast<long>(first) * W + i] = scratch[i];
-      __syncthreads();
+  } else {
+    // Row i, word w: the ancestors of i that fall in the word; the root is everyone's.
+    for (int idx = tid; idx < (N + 1) * W; idx += nthreads) {
+      const int row = idx / W, lo = (idx - row * W) * 64;
+      uint64_t bits = 0;
+      if (row <= n && s_mask != nullptr) {
+        bits = s_mask[idx];
+      } else if (row <= n) {
+        for (int v = row; v >= lo && v > 0; v = node_parent(s_node[v]))
+          if (v < lo + 64) bits |= uint64_t{1} << (v - lo);
+        if (lo == 0) bits |= 1;
+      }
+      mask[idx] = bits;
     }
   }
-  finish();
+  if (tid == 0) {
+    out.num_nodes[b] = n;
+    out.status[b] = status;
+  }
 }
 
 // Stages a request's log-probs in shared memory (as Staged) by threads tid = 0..nthreads-1, in one
@@ -535,7 +548,8 @@ __global__ void __launch_bounds__(kBuildThreads, 1) build_kernel(BuildArgs in, B
   }
   __syncthreads();
   DDTREE_PHASE(11);
-  write_outputs(in, out, b, s_n, status, s_node, tid, kBuildThreads, s_mask);
+  // M == 1 serves budgets <= 64, whose loop builds the mask rows (s_mask is never null there).
+  write_outputs<M != 1>(in, out, b, s_n, status, s_node, tid, kBuildThreads, s_mask);
   DDTREE_PHASE(12);
 }
 
@@ -1223,8 +1237,8 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
     DDTREE_PHASE(7);
   }
   // The pool's scores and the sort keys are dead by now: the mask rows are staged there.
-  write_outputs(in, out, b, n, status, s_node, tid, kBlock, nullptr, reinterpret_cast<uint64_t*>(smem),
-                static_cast<long>(layout.lp / sizeof(uint64_t)));
+  write_outputs<true>(in, out, b, n, status, s_node, tid, kBlock, nullptr, reinterpret_cast<uint64_t*>(smem),
+                       static_cast<long>(layout.lp / sizeof(uint64_t)));
   DDTREE_PHASE(8);
 }
 
