@@ -474,37 +474,20 @@ template <typename Staged, typename Check>
 __device__ void stage_logprobs(const float* lp, Staged* s_lp, int numel, int K, int tid, int nthreads,
                                Check check) {
   if ((K & 3) == 0 && (reinterpret_cast<uintptr_t>(lp) & 15) == 0) {  // a float4 never straddles rows
-    // kBatch float4 loads (and their left neighbours) are issued before any is used: with one
-    // load per iteration the loop waited out each load's latency in turn (block kernel at
-    // budget 1024: 16 float4 a thread).
-    constexpr int kBatch = 4;
     const float4* lp4 = reinterpret_cast<const float4*>(lp);
-    const int n4 = numel / 4;
-    for (int first = tid; first < n4; first += kBatch * nthreads) {
-      float4 v[kBatch];
-      float before[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int i = first + u * nthreads;
-        if (i < n4) {
-          v[u] = __ldg(lp4 + i);
-          before[u] = (4 * i) % K == 0 ? 0.0f : __ldg(lp + 4 * i - 1);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int i = first + u * nthreads;
-        if (i < n4) {
-          s_lp[4 * i] = v[u].x;
-          s_lp[4 * i + 1] = v[u].y;
-          s_lp[4 * i + 2] = v[u].z;
-          s_lp[4 * i + 3] = v[u].w;
-          check(v[u].x, before[u], (4 * i) % K == 0);
-          check(v[u].y, v[u].x, false);
-          check(v[u].z, v[u].y, false);
-          check(v[u].w, v[u].z, false);
-        }
-      }
+#pragma unroll 4
+    for (int i = tid; i < numel / 4; i += nthreads) {
+      const float4 v = __ldg(lp4 + i);
+      const bool row_start = (4 * i) % K == 0;
+      const float before = row_start ? 0.0f : __ldg(lp + 4 * i - 1);
+      s_lp[4 * i] = v.x;
+      s_lp[4 * i + 1] = v.y;
+      s_lp[4 * i + 2] = v.z;
+      s_lp[4 * i + 3] = v.w;
+      check(v.x, before, row_start);
+      check(v.y, v.x, false);
+      check(v.z, v.y, false);
+      check(v.w, v.z, false);
     }
   } else {
     for (int i = tid; i < numel; i += nthreads) {
