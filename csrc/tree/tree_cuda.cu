@@ -701,11 +701,12 @@ __device__ __forceinline__ int bin_of(double s, double mn, double scale) {
 // added to its bin as it is written, and a later rise is a scan of the bins alone. A rise keeps
 // the top bins holding >= budget live nodes: tau becomes the cut bin's lower edge, less a margin
 // that covers the rounding of bin_of, so every node in those bins stays live (a sliver of the bin
-// below may too: live but not counted, which only makes the pool larger). The bins below hold
-// only dead nodes from then on (the scans never reach them again: the cut only moves up). Scores
-// above the grid (positive log-probs) land in the top bin. Until 2026-11-30 tau was the smallest
-// score in the cut bin, kept per bin by a 64-bit shared atomicMin on every node: a CAS loop
-// (ATOMS.CAST.SPIN.64) that serialised the lanes of a warp writing siblings into one bin.
+// below may too: live but not counted, which only makes the pool larger). Apart from that sliver
+// the bins below hold only dead nodes from then on (the scans never reach them again: the cut
+// only moves up). Scores above the grid (positive log-probs) land in the top bin. Until
+// 2026-11-30 tau was the smallest score in the cut bin, kept per bin by a 64-bit shared atomicMin
+// on every node, a compare-and-swap loop (ATOMS.CAST.SPIN.64); without it, H200, budget 256, per
+// request: rises 4.1 -> 3.0 us, writes 6.6 -> 6.1.
 // Block-uniform arguments; every thread returns the same tau, live and grid.
 struct Grid {
   double mn = 0.0, scale = 0.0;
