@@ -211,7 +211,7 @@ def build_tree_parallel(logprobs, ids, budget: int, capacity: int = 4096, produc
         if t is not None:
             tau, live, grid, counted = t
     m = len(live)
-    if counted > CANDIDATE_FACTOR * budget or m > CANDIDATE_FACTOR * budget:
+    if m > CANDIDATE_FACTOR * budget:  # m >= counted: the one test of the bound
         return fallback("candidates")
     # Rank by counting.
     order = {}

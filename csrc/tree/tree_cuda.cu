@@ -1118,7 +1118,6 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       rise(p_score, count, tau, live, budget, grid, sh);
       DDTREE_PHASE(3);
     }
-    if (!fallback && live > kCandidateFactor * budget) fallback = true;
 
     if (!fallback) {
       // Candidates: the live slots. Clear the pool's marks.
@@ -1144,7 +1143,8 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
         }
       }
       __syncthreads();
-      // sh.m >= live: tau may keep a sliver of the bin below the cut (bin_floor).
+      // sh.m >= live (tau may keep a sliver of the bin below the cut, bin_floor), so this is
+      // the one test of the candidates' bound.
       fallback = sh.m > kCandidateFactor * budget;
       DDTREE_PHASE(4);
     }
@@ -1160,14 +1160,15 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       for (int i = tid; i < P2; i += kBlock) c_key[i] = i < m ? candidate_key(c_score[i], c_slot[i]) : ~0ull;
       __syncthreads();
       bitonic_sort(c_key, P2);
+      auto run_of = [&](int j) { return c_key[j] >> kSlotBits; };  // the key without its slot
       for (int i = tid; i < m; i += kBlock) {
-        const unsigned long long ki = c_key[i] >> kSlotBits;
+        const unsigned long long ki = run_of(i);
         const int s = static_cast<int>(c_key[i] & kSlotMask);
         int r = i;
-        if ((i > 0 && c_key[i - 1] >> kSlotBits == ki) || (i + 1 < m && c_key[i + 1] >> kSlotBits == ki)) {
+        if ((i > 0 && run_of(i - 1) == ki) || (i + 1 < m && run_of(i + 1) == ki)) {
           int first = i, end = i + 1;
-          while (first > 0 && c_key[first - 1] >> kSlotBits == ki) --first;
-          while (end < m && c_key[end] >> kSlotBits == ki) ++end;
+          while (first > 0 && run_of(first - 1) == ki) --first;
+          while (end < m && run_of(end) == ki) ++end;
           r = first;
           if (first < budget) {
             const double si = p_score[s];
