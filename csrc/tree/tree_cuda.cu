@@ -582,6 +582,10 @@ constexpr int kMaxPool = 8192;           // pool slots (int16 indices)
 constexpr int kMinPool = 2048;
 constexpr int kCandidateFactor = 4;      // more than 4 * budget tied candidates: fall back
 constexpr int kTightenFactor = 2;        // after a level, tau rises when > 2 * budget nodes live
+constexpr int kOwnerWidest = 8;          // narrow levels whose families are all this small: owners write
+
+// The largest power of two <= x (0 for x <= 0): the first step of a branchless binary search.
+__device__ __forceinline__ int pow2_at_most(int x) { return x > 0 ? 1 << (31 - __clz(x)) : 0; }
 
 __host__ __device__ __forceinline__ int pow2_at_least(int x) {
   int p = 1;
@@ -619,14 +623,16 @@ struct BlockShared {
     cand_slot = take(sizeof(int16_t) * Mc, 2);
     order = take(sizeof(int16_t) * (N + 1), 2);
     pool_depth = take(C, 1);
-    has_next = take(C, 1);
+    has_next = take(C, 2);  // with has_child after it: the levels' int16 counts
     has_child = take(C, 1);
     bytes = (o + 15) / 16 * 16;
   }
 };
 
 struct BlockScalars {
-  int warp_sums[kBlock / kWarp];
+  long long warp_sums[kBlock / kWarp];
+  long long level_sums[kBlock / kWarp];  // narrow levels' scan: (children, families) per warp
+  int level_max[kBlock / kWarp];         // and each warp's largest family
   int hist[kBins];
   unsigned long long key_min, key_max;
   int total, cut_bin, cut_live, m, n;
@@ -670,19 +676,21 @@ __device__ __forceinline__ T warp_max(T v) {
 }
 
 // Inclusive prefix sum of v over the block; *total gets the sum. Contains two __syncthreads.
-__device__ int block_inclusive_scan(int v, BlockScalars& sh, int* total) {
+// T is int, or long long carrying two counts (low and high 32 bits) through one scan.
+template <typename T>
+__device__ T block_inclusive_scan(T v, BlockScalars& sh, T* total) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
 #pragma unroll
   for (int o = 1; o < kWarp; o *= 2) {
-    const int u = __shfl_up_sync(kFullMask, v, o);
+    const T u = __shfl_up_sync(kFullMask, v, o);
     if (lane >= o) v += u;
   }
   if (lane == kWarp - 1) sh.warp_sums[warp] = v;
   __syncthreads();
-  int before = 0, all = 0;
+  T before = 0, all = 0;
 #pragma unroll
   for (int w = 0; w < kBlock / kWarp; ++w) {
-    const int s = sh.warp_sums[w];
+    const T s = static_cast<T>(sh.warp_sums[w]);
     before += w < warp ? s : 0;
     all += s;
   }
@@ -899,6 +907,12 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
   int8_t* p_depth = reinterpret_cast<int8_t*>(smem + layout.pool_depth);
   uint8_t* has_next = reinterpret_cast<uint8_t*>(smem + layout.has_next);
   uint8_t* has_child = reinterpret_cast<uint8_t*>(smem + layout.has_child);
+  // The levels' scratch, in arrays the candidates step takes over: the children per parent of a
+  // level (int16 over has_next and has_child, which are adjacent), the families' parents (over
+  // pool_index) and their first children's offsets.
+  int16_t* l_count = reinterpret_cast<int16_t*>(has_next);
+  int16_t* f_parent = p_index;
+  int32_t* f_off = offs;
 
   // Stage and check this request's log-probs in one pass: non-finite values, rows out of order,
   // max |lp| and the lowest set bit over all values (the exactness test below).
@@ -984,94 +998,181 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       const Staged* row = s_lp + (d - 1) * K;
       const int P = hi - lo, chunk = (P + kBlock - 1) / kBlock;
       const int first = lo + min(P, tid * chunk), last = lo + min(P, (tid + 1) * chunk);
-      // Children per live parent of the last level (offs[p - lo]). Parents are strided over the
-      // threads: live ones cluster, so their searches spread out.
-      auto count_children = [&]() {
-        for (int p = lo + tid; p < hi; p += kBlock) {
-          int c = 0;
-          if (p == 0 || p_score[p] >= tau) {
-            const double base = p_score[p];
-            const int limit = min(K, budget / p_prod[p]);
-            if (exact) {  // children j < c: base + row[j] >= tau, a prefix (rows descend)
-              // Galloping (probes 0, 1, 3, 7, ...), then a binary search between the last two
-              // probes: most live parents have few children, so ~log2(c) + 1 loads, not log2(limit).
-              int a = 0, z = limit;
-              for (int probe = 0; probe < z;) {
-                if (base + static_cast<double>(row[probe]) >= tau) a = probe + 1;
-                else z = probe;
-                probe = 2 * probe + 1;
-              }
-              while (a < z) {
-                const int mid = (a + z) / 2;
-                if (base + static_cast<double>(row[mid]) >= tau) a = mid + 1;
-                else z = mid;
-              }
-              c = a;
-            } else {  // the contract's sibling chain, up to the first score below tau
-              double sc = base + static_cast<double>(row[0]);
-              while (c < limit && sc >= tau) {
-                ++c;
-                if (c < limit) sc = (sc - static_cast<double>(row[c - 1])) + static_cast<double>(row[c]);
-              }
-            }
-          }
-          offs[p - lo] = c;
-        }
-      };
-      // Counts to offsets (a block scan over contiguous chunks of parents); returns the total.
-      bool mapped = false;  // scan_children mapped every child slot to its parent
-      auto scan_children = [&]() {
-        __syncthreads();  // counts complete
-        int mine = 0;
-        for (int p = first; p < last; ++p) mine += offs[p - lo];
-        int total;
-        int off = block_inclusive_scan(mine, sh, &total) - mine;
-        // Exact sums, children fitting the pool: each child's slot gets its parent now (the
-        // pool's prefix field), so that a thread per child finds it without a search. (H200,
-        // budget 256, per request: writes 6.2 -> 2.7 us, counts and scan 8.3 -> 10.6. Large
-        // families left to the thread's warp instead, to even out the threads: slower, 14.1.)
-        mapped = exact && count + total <= C;
-        for (int p = first; p < last; ++p) {
-          const int c = offs[p - lo];
-          offs[p - lo] = off;
-          if (mapped)
-            for (int j = 0; j < c; ++j) p_prefix[count + off + j] = static_cast<int16_t>(p);
-          off += c;
-        }
-        __syncthreads();  // offsets (and the map) complete
-        return total;
-      };
-      // fn(slot offset i, parent, rank, score) for every child of the level, each thread its share:
-      // one thread per child for exact sums (its parent from the map scan_children wrote, or by
-      // binary search over the offsets when they do not fit the pool), one per parent replaying
-      // the contract's chain otherwise.
-      auto for_each_child = [&](int total, auto fn) {
+      // Levels of at most kBlock parents (all but the widest) take one parent per thread and a
+      // scan with one barrier; wider ones count strided parents and scan contiguous chunks.
+      const bool narrow = P <= kBlock;
+      // A parent's child limit: 0 when it is dead.
+      auto limit_of = [&](int p) { return p == 0 || p_score[p] >= tau ? min(K, budget / p_prod[p]) : 0; };
+      // Its children above tau: j < c with base + row[j] >= tau, a prefix since rows descend.
+      // Exact sums: galloping (probes 0, 1, 3, 7, ..., then a binary search between the last
+      // two), since most live parents have few children; otherwise the contract's sibling chain.
+      auto children_of = [&](double base, int limit) {
+        int a = 0;
         if (exact) {
-          for (int i = tid; i < total; i += kBlock) {
-            int a = 0, z = P - 1;  // the last parent whose offset is <= i
-            if (mapped) a = p_prefix[count + i] - lo;
-            else
-              while (a < z) {
-                const int mid = (a + z + 1) / 2;
-                if (offs[mid] <= i) a = mid;
-                else z = mid - 1;
-              }
-            const int p = lo + a, j = i - offs[a];
-            fn(i, p, j, p_score[p] + static_cast<double>(row[j]));
+          int z = limit;
+          for (int probe = 0; probe < z;) {
+            if (base + static_cast<double>(row[probe]) >= tau) a = probe + 1;
+            else z = probe;
+            probe = 2 * probe + 1;
+          }
+          while (a < z) {
+            const int mid = (a + z) / 2;
+            if (base + static_cast<double>(row[mid]) >= tau) a = mid + 1;
+            else z = mid;
           }
         } else {
-          for (int p = first; p < last; ++p) {
-            const int i0 = offs[p - lo], c = (p + 1 < hi ? offs[p + 1 - lo] : total) - i0;
-            double sc = p_score[p] + static_cast<double>(row[0]);
-            for (int j = 0; j < c; ++j) {
-              if (j > 0) sc = (sc - static_cast<double>(row[j - 1])) + static_cast<double>(row[j]);
-              fn(i0 + j, p, j, sc);
-            }
+          double sc = base + static_cast<double>(row[0]);
+          while (a < limit && sc >= tau) {
+            ++a;
+            if (a < limit) sc = (sc - static_cast<double>(row[a - 1])) + static_cast<double>(row[a]);
           }
         }
+        return a;
       };
-      count_children();
-      int total = scan_children();
+      // Wide levels: children per parent (l_count[p - lo]), parents strided over the threads
+      // (live ones cluster, so their searches spread out), two at a time; on exact sums two
+      // branchless binary searches interleaved, so that their load latencies overlap.
+      auto count_children = [&]() {
+        for (int pa = lo + tid; pa < hi; pa += 2 * kBlock) {
+          const int pb = pa + kBlock;
+          const int la = limit_of(pa), lb = pb < hi ? limit_of(pb) : 0;
+          const double ba = la > 0 ? p_score[pa] : 0.0, bb = lb > 0 ? p_score[pb] : 0.0;
+          int ca = 0, cb = 0;
+          if (exact) {
+            for (int step = pow2_at_most(max(la, lb)); step > 0; step /= 2) {
+              if (ca + step <= la && ba + static_cast<double>(row[ca + step - 1]) >= tau) ca += step;
+              if (cb + step <= lb && bb + static_cast<double>(row[cb + step - 1]) >= tau) cb += step;
+            }
+          } else {
+            if (la > 0) ca = children_of(ba, la);
+            if (lb > 0) cb = children_of(bb, lb);
+          }
+          l_count[pa - lo] = static_cast<int16_t>(ca);
+          if (pb < hi) l_count[pb - lo] = static_cast<int16_t>(cb);
+        }
+      };
+      // The families (parents with children) in parent order, each with its parent and the
+      // offset of its first child, from one scan that carries both the children and the families
+      // counted so far (low and high 32 bits). Returns the children in all. Narrow levels also
+      // keep each thread's own family (own_off, own_c) and the largest family (widest).
+      int families = 0, own_off = 0, own_c = 0, widest = 0;
+      auto pack = [](int kids, int fams) {
+        return static_cast<long long>(kids) | (static_cast<long long>(fams) << 32);
+      };
+      auto count_and_scan = [&]() {
+        long long before, both;
+        if (narrow) {  // one barrier: warp scans, the warps' sums through shared memory
+          own_c = 0;
+          if (tid < P) {
+            const int limit = limit_of(lo + tid);
+            if (limit > 0) own_c = children_of(p_score[lo + tid], limit);
+          }
+          const long long mine = pack(own_c, own_c > 0);
+          long long v = mine;
+#pragma unroll
+          for (int o = 1; o < kWarp; o *= 2) {
+            const long long u = __shfl_up_sync(kFullMask, v, o);
+            if (tid % kWarp >= o) v += u;
+          }
+          const int wmax = warp_max(own_c);
+          if (tid % kWarp == kWarp - 1) {
+            sh.level_sums[tid / kWarp] = v;
+            sh.level_max[tid / kWarp] = wmax;
+          }
+          __syncthreads();
+          long long prior = 0, all = 0;
+          widest = 0;
+#pragma unroll
+          for (int w = 0; w < kBlock / kWarp; ++w) {
+            const long long s = sh.level_sums[w];
+            prior += w < tid / kWarp ? s : 0;
+            all += s;
+            widest = max(widest, sh.level_max[w]);
+          }
+          before = prior + v - mine;
+          both = all;
+          own_off = static_cast<int>(before & 0xFFFFFFFFll);
+          if (own_c > 0) {
+            f_parent[before >> 32] = static_cast<int16_t>(lo + tid);
+            f_off[before >> 32] = own_off;
+          }
+        } else {
+          count_children();
+          __syncthreads();  // counts complete
+          int kids = 0, fams = 0;
+          for (int p = first; p < last; ++p) {
+            const int c = l_count[p - lo];
+            kids += c;
+            fams += c > 0;
+          }
+          const long long mine = pack(kids, fams);
+          before = block_inclusive_scan(mine, sh, &both) - mine;
+          int off = static_cast<int>(before & 0xFFFFFFFFll), f = static_cast<int>(before >> 32);
+          for (int p = first; p < last; ++p) {
+            const int c = l_count[p - lo];
+            if (c > 0) {
+              f_parent[f] = static_cast<int16_t>(p);
+              f_off[f++] = off;
+              off += c;
+            }
+          }
+          widest = kOwnerWidest + 1;
+        }
+        families = static_cast<int>(both >> 32);
+        // Owners write narrow levels' small families themselves; otherwise the families are read
+        // by every thread below.
+        if (widest > kOwnerWidest) __syncthreads();
+        return static_cast<int>(both & 0xFFFFFFFFll);
+      };
+      // fn(slot offset i, parent, rank, score) for every child of the level, each thread its
+      // share. Families of at most kOwnerWidest children on a narrow level: each thread its own.
+      // Otherwise, exact sums: thread t takes children [t * per, (t + 1) * per), finds the family
+      // of its first one by a binary search over the families' offsets and walks on from there
+      // (families are never empty, so a child moves at most one family on): the block shares
+      // the children evenly however large a family is. (Until session 14 the scan wrote each
+      // child slot's parent, a loop as long as the family on one thread.) Inexact sums: one
+      // thread per family replays the contract's chain.
+      auto for_each_child = [&](int total, auto fn) {
+        auto family = [&](int p, int i0, int c) {
+          const double base = p_score[p];
+          double sc = base + static_cast<double>(row[0]);
+          for (int j = 0; j < c; ++j) {
+            if (j > 0)
+              sc = exact ? base + static_cast<double>(row[j])
+                         : (sc - static_cast<double>(row[j - 1])) + static_cast<double>(row[j]);
+            fn(i0 + j, p, j, sc);
+          }
+        };
+        if (widest <= kOwnerWidest) {
+          if (own_c > 0) family(lo + tid, own_off, own_c);
+        } else if (exact) {
+          const int per = (total + kBlock - 1) / kBlock;
+          const int i0 = min(total, tid * per), i1 = min(total, i0 + per);
+          if (i0 < i1) {
+            int f = 0;  // the last family whose offset is <= i0
+            for (int step = pow2_at_most(families - 1); step > 0; step /= 2)
+              if (f + step < families && f_off[f + step] <= i0) f += step;
+            int p = f_parent[f], start = f_off[f];
+            int next = f + 1 < families ? f_off[f + 1] : total;
+            double base = p_score[p];
+            for (int i = i0; i < i1; ++i) {
+              if (i == next) {
+                ++f;
+                p = f_parent[f];
+                start = next;
+                next = f + 1 < families ? f_off[f + 1] : total;
+                base = p_score[p];
+              }
+              const int j = i - start;
+              fn(i, p, j, base + static_cast<double>(row[j]));
+            }
+          }
+        } else {
+          for (int f = tid; f < families; f += kBlock)
+            family(f_parent[f], f_off[f], (f + 1 < families ? f_off[f + 1] : total) - f_off[f]);
+        }
+      };
+      int total = count_and_scan();
       DDTREE_PHASE(1);
       // The rise these children would cause once written is taken before when the pool is
       // tight: they join the grid from the offsets, so only those above the new tau take pool
@@ -1081,10 +1182,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       if (total > 0 && live + total > kTightenFactor * budget && count + total > C / 2) {
         auto children = [&](auto fn) { for_each_child(total, [&](int, int, int, double sc) { fn(sc); }); };
         risen = rise(p_score, count, tau, live, budget, grid, sh, children);
-        if (risen) {
-          count_children();
-          total = scan_children();
-        }
+        if (risen) total = count_and_scan();
         DDTREE_PHASE(3);
       }
       if (count + total > C) {  // block-uniform
@@ -1101,7 +1199,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
         p_prod[slot] = static_cast<int16_t>((j + 1) * p_prod[p]);
         p_depth[slot] = static_cast<int8_t>(d);
       });
-      __syncthreads();  // the new level is visible; offs may be reused
+      __syncthreads();  // the new level is visible; the scratch may be reused
       DDTREE_PHASE(2);
       lo = count;
       hi = count + total;

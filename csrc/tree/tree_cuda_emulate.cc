@@ -172,6 +172,7 @@ inline unsigned __ballot_sync(unsigned, bool p) { return emu::ballot(p); }
 inline bool __any_sync(unsigned, bool p) { return emu::ballot(p) != 0; }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline int __ffs(int v) { return __builtin_ffs(v); }
+inline int __clz(int v) { return v == 0 ? 32 : __builtin_clz(static_cast<unsigned>(v)); }
 inline long long __double_as_longlong(double x) { return emu::from_bits<long long>(emu::to_bits(x)); }
 inline double __longlong_as_double(long long x) { return emu::from_bits<double>(emu::to_bits(x)); }
 inline unsigned __float_as_uint(float x) { return emu::from_bits<unsigned>(emu::to_bits(x)); }
