@@ -583,6 +583,7 @@ constexpr int kMinPool = 2048;
 constexpr int kCandidateFactor = 4;      // more than 4 * budget tied candidates: fall back
 constexpr int kTightenFactor = 2;        // after a level, tau rises when > 2 * budget nodes live
 constexpr int kOwnerWidest = 8;          // narrow levels whose families are all this small: owners write
+static_assert(kBlock * kMaxTopK < (1 << 20) && kBlock < (1 << 11), "a narrow level's scan word");
 
 // The largest power of two <= x (0 for x <= 0): the first step of a branchless binary search.
 __device__ __forceinline__ int pow2_at_most(int x) { return x > 0 ? 1 << (31 - __clz(x)) : 0; }
@@ -631,8 +632,8 @@ struct BlockShared {
 
 struct BlockScalars {
   long long warp_sums[kBlock / kWarp];
-  long long level_sums[kBlock / kWarp];  // narrow levels' scan: (children, families) per warp
-  int level_max[kBlock / kWarp];         // and each warp's largest family
+  int level_sums[kBlock / kWarp];  // narrow levels' scan: (children, families) per warp
+  int level_max[kBlock / kWarp];   // and each warp's largest family
   int hist[kBins];
   unsigned long long key_min, key_max;
   int total, cut_bin, cut_live, m, n;
@@ -1053,25 +1054,27 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       };
       // The families (parents with children) in parent order, each with its parent and the
       // offset of its first child, from one scan that carries both the children and the families
-      // counted so far (low and high 32 bits). Returns the children in all. Narrow levels also
-      // keep each thread's own family (own_off, own_c) and the largest family (widest).
+      // counted so far (in one 64-bit word; on narrow levels in one 32-bit word). Returns the
+      // children in all. Narrow levels also keep each thread's own family (own_off, own_c) and
+      // the largest family (widest).
       int families = 0, own_off = 0, own_c = 0, widest = 0;
       auto pack = [](int kids, int fams) {
         return static_cast<long long>(kids) | (static_cast<long long>(fams) << 32);
       };
       auto count_and_scan = [&]() {
-        long long before, both;
+        long long both;
         if (narrow) {  // one barrier: warp scans, the warps' sums through shared memory
           own_c = 0;
           if (tid < P) {
             const int limit = limit_of(lo + tid);
             if (limit > 0) own_c = children_of(p_score[lo + tid], limit);
           }
-          const long long mine = pack(own_c, own_c > 0);
-          long long v = mine;
+          // Children in the low 20 bits, families above (static_assert below).
+          const int mine = own_c | (own_c > 0 ? 1 << 20 : 0);
+          int v = mine;
 #pragma unroll
           for (int o = 1; o < kWarp; o *= 2) {
-            const long long u = __shfl_up_sync(kFullMask, v, o);
+            const int u = __shfl_up_sync(kFullMask, v, o);
             if (tid % kWarp >= o) v += u;
           }
           const int wmax = warp_max(own_c);
@@ -1080,22 +1083,22 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
             sh.level_max[tid / kWarp] = wmax;
           }
           __syncthreads();
-          long long prior = 0, all = 0;
+          int prior = 0, all = 0;
           widest = 0;
 #pragma unroll
           for (int w = 0; w < kBlock / kWarp; ++w) {
-            const long long s = sh.level_sums[w];
+            const int s = sh.level_sums[w];
             prior += w < tid / kWarp ? s : 0;
             all += s;
             widest = max(widest, sh.level_max[w]);
           }
-          before = prior + v - mine;
-          both = all;
-          own_off = static_cast<int>(before & 0xFFFFFFFFll);
+          const int at = prior + v - mine;
+          own_off = at & 0xFFFFF;
           if (own_c > 0) {
-            f_parent[before >> 32] = static_cast<int16_t>(lo + tid);
-            f_off[before >> 32] = own_off;
+            f_parent[at >> 20] = static_cast<int16_t>(lo + tid);
+            f_off[at >> 20] = own_off;
           }
+          both = pack(all & 0xFFFFF, all >> 20);
         } else {
           count_children();
           __syncthreads();  // counts complete
@@ -1106,7 +1109,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
             fams += c > 0;
           }
           const long long mine = pack(kids, fams);
-          before = block_inclusive_scan(mine, sh, &both) - mine;
+          const long long before = block_inclusive_scan(mine, sh, &both) - mine;
           int off = static_cast<int>(before & 0xFFFFFFFFll), f = static_cast<int>(before >> 32);
           for (int p = first; p < last; ++p) {
             const int c = l_count[p - lo];
