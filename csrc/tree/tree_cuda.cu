@@ -555,8 +555,9 @@ __global__ void __launch_bounds__(kBuildThreads, 1) build_kernel(BuildArgs in, B
 
 // ---------------------------------------------------------------------------------------------
 // Block build: one block of kBlock threads per request, selection in parallel, verified exactly,
-// the warp loop above as the fallback. services/ddtree/tree/parallel_model.py is a plain-Python
-// model of these steps (same float64 operations, bins and checks), tested against the oracle;
+// the warp loop above as the fallback. tests/tree_parallel_model.py is a plain-Python
+// model of these steps' decisions (same float64 operations, bins and checks; it ranks by plain
+// counting), tested against the oracle;
 // docs/tree.md "The block kernel" gives the argument.
 //
 // 1. Scores: when every log-prob is a multiple of 2^-q with D * max|lp| < 2^(53-q), every
@@ -565,11 +566,14 @@ __global__ void __launch_bounds__(kBuildThreads, 1) build_kernel(BuildArgs in, B
 //    Otherwise each thread replays the contract's sibling chain for its parents.
 // 2. Pool: level by level, each live parent p (score >= tau) gets its children j in rank order
 //    while score >= tau and (j + 1) * prod(p) <= budget (prod = product of rank + 1 along the
-//    path), written to consecutive slots after a block scan of the counts. tau rises
-//    (histogram select) when more than 2 * budget nodes live after a level, and at the end
-//    when more than budget do.
-// 3. The live nodes are sorted by score (bitonic, 64-bit order keys), runs of equal scores put
-//    in rank-path order by counting; the first budget form the tree (node index = rank + 1).
+//    path), written to consecutive slots after a block scan of the counts (one parent per
+//    thread and a one-barrier scan on levels of <= kBlock parents). tau rises (histogram
+//    select) when more than 2 * budget nodes live after a level, and at the end when more
+//    than budget do.
+// 3. The live nodes are ranked by the histogram's bins (a count within each bin in the
+//    contract's order), or, where a bin is crowded, sorted by score (bitonic, 64-bit order
+//    keys) with runs of equal scores put in rank-path order; the first budget form the tree
+//    (node index = rank + 1).
 // 4. Verification: each tree node's generator (elder sibling, or the parent for rank 0) is in
 //    the tree and ranks before it; each offer of a tree node that is not in the tree pops after
 //    the last tree node; a tree short of budget has no such offer. Then the heap algorithm pops
