@@ -681,16 +681,23 @@ __device__ __forceinline__ T warp_max(T v) {
   return v;
 }
 
-// Inclusive prefix sum of v over the block; *total gets the sum. Contains two __syncthreads.
-// T is int, or long long carrying two counts (low and high 32 bits) through one scan.
+// Inclusive prefix sum of v over the warp (lane: this thread's lane).
 template <typename T>
-__device__ T block_inclusive_scan(T v, BlockScalars& sh, T* total) {
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+__device__ __forceinline__ T warp_inclusive_scan(T v, int lane) {
 #pragma unroll
   for (int o = 1; o < kWarp; o *= 2) {
     const T u = __shfl_up_sync(kFullMask, v, o);
     if (lane >= o) v += u;
   }
+  return v;
+}
+
+// Inclusive prefix sum of v over the block; *total gets the sum. Contains two __syncthreads.
+// T is int, or long long carrying two counts (low and high 32 bits) through one scan.
+template <typename T>
+__device__ T block_inclusive_scan(T v, BlockScalars& sh, T* total) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  v = warp_inclusive_scan(v, lane);
   if (lane == kWarp - 1) sh.warp_sums[warp] = v;
   __syncthreads();
   T before = 0, all = 0;
@@ -1074,14 +1081,9 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
             const int limit = limit_of(lo + tid);
             if (limit > 0) own_c = children_of(p_score[lo + tid], limit);
           }
-          // Children in the low 20 bits, families above (static_assert below).
+          // Children in the low 20 bits, families above (the static_assert by kOwnerWidest).
           const int mine = own_c | (own_c > 0 ? 1 << 20 : 0);
-          int v = mine;
-#pragma unroll
-          for (int o = 1; o < kWarp; o *= 2) {
-            const int u = __shfl_up_sync(kFullMask, v, o);
-            if (tid % kWarp >= o) v += u;
-          }
+          const int v = warp_inclusive_scan(mine, tid % kWarp);
           const int wmax = warp_max(own_c);
           if (tid % kWarp == kWarp - 1) {
             sh.level_sums[tid / kWarp] = v;
