@@ -20,16 +20,7 @@ flags=(-O3 -arch=sm_90 -std=c++17 --expt-relaxed-constexpr)
 nvcc "${flags[@]}" -I "$work/ref/csrc" -o "$work/ref_harness" benchmarks/tree_phases.cu &
 nvcc "${flags[@]}" -I csrc -o "$work/new_harness" benchmarks/tree_phases.cu &
 wait
-PYTHONPATH=services python3 - "$work" $cases <<'PY'
-import sys, torch
-from ddtree.tree.samples import random_topk
-for case in sorted({c.rsplit("_", 1)[0] for c in sys.argv[2:]}):
-    budget, temperature = case.split("_")
-    lp, ids = random_topk(64, 16, int(budget), temperature=float(temperature),
-                          generator=torch.Generator().manual_seed(0))
-    lp.numpy().tofile(f"{sys.argv[1]}/lp_{case}.bin")
-    ids.numpy().tofile(f"{sys.argv[1]}/ids_{case}.bin")
-PY
+PYTHONPATH=services python3 benchmarks/tree_inputs.py "$work" $(for c in $cases; do echo "${c%_*}"; done)
 chained() { sed -n 's/.*chained \([0-9.]*\) us.*/\1/p'; }
 printf "%-16s %21s  %21s  trees\n" "case (us/launch)" "$ref, two runs" "working tree, two runs"
 for c in $cases; do

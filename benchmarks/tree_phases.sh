@@ -12,14 +12,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 nvcc -O3 -arch=sm_90 -std=c++17 --expt-relaxed-constexpr -I csrc -o "$work/tree_phases" benchmarks/tree_phases.cu
 budgets=${*:-16 64 256}
-PYTHONPATH=services python3 - "$work" $budgets <<'PY'
-import sys, torch
-from ddtree.tree.samples import random_topk
-for budget in map(int, sys.argv[2:]):
-    lp, ids = random_topk(64, 16, budget, generator=torch.Generator().manual_seed(0))
-    lp.numpy().tofile(f"{sys.argv[1]}/lp_{budget}.bin")
-    ids.numpy().tofile(f"{sys.argv[1]}/ids_{budget}.bin")
-PY
+PYTHONPATH=services python3 benchmarks/tree_inputs.py "$work" $budgets
 for budget in $budgets; do
   for kernel in warp block; do
     "$work/tree_phases" "$work/lp_$budget.bin" "$work/ids_$budget.bin" 64 16 "$budget" "$budget" $kernel 50
