@@ -645,6 +645,9 @@ struct BlockScalars {
   unsigned int abs_max;  // float bits of max |lp|
   int lowest_bit;        // min over the log-probs of lowest_bit_exponent
   int flags;             // 1: a value not finite, 2: a row out of order
+  double bound_lb;       // tau_lower_bound's scalars
+  unsigned long long bound_key;
+  int bound_depths;
 };
 // Dynamic shared memory a block may take: BlockScalars is static and counts against the 227 KB.
 constexpr size_t kBlockSharedLimit = 227 * 1024 - (sizeof(BlockScalars) + 15) / 16 * 16;
@@ -825,6 +828,108 @@ __device__ bool rise(const double* score, int count, double& tau, int& live, int
   return true;
 }
 
+// A lower bound on tau, the budget-th best score, before any level is built (session 15), so
+// that the levels enumerate little more than the tree and rarely need a rise. A path of depth d
+// scores Z_d - (sum of its steps' costs), where Z_d is the rank-0 chain's score and a step to
+// rank r of row i costs c = lp[i][0] - lp[i][r] >= 0. Costs binned upward on a grid of kWarp
+// bins of width w (bin(c) >= c / w; rank 0 costs exactly 0, so the chain itself loses nothing)
+// turn "paths with score >= t" into a count a dynamic program gives: F_d[v], the depth-d paths
+// whose binned costs sum to v, is F_{d-1} convolved with row d's bin counts. Every path counted
+// under floor((Z_d - t) / w) scores >= t, so wherever the counts reach the budget, t <= tau.
+// The grid spans [lb, Z_1], lb the weakest bound: for A rows and J = ceil(budget / A) <= K, the
+// A * J paths 0^a j (a < A, j < J) all score >= min_a Z_a + lp[a][J - 1]; the best A is taken.
+// On drafter-like rows (random_topk, budget 256) the levels then hold 1.1-1.5x the budget
+// (max 1.7x at temperature 0.25) instead of rising from -inf. Float counts are exact below 2^24,
+// far above any budget; larger ones only need to read as >= budget. Rounding is covered by the
+// factors 1 +- 2^-40 and a final margin; the verification decides in the end anyway. Returns
+// -inf (no bound) when fewer than budget such paths exist. Block-uniform.
+constexpr size_t kBoundScratch = sizeof(double) * (kMaxDepth + 1) + 2 * sizeof(int) * kMaxDepth * kWarp;
+static_assert(kBoundScratch <= sizeof(double) * kMinPool, "tau_lower_bound's scratch is the pool's scores");
+template <typename Staged>
+__device__ double tau_lower_bound(const Staged* s_lp, int D, int K, int budget, unsigned char* scratch,
+                                  BlockScalars& sh) {
+  const int tid = threadIdx.x, lane = tid % kWarp;
+  double* Z = reinterpret_cast<double*>(scratch);                   // Z[d], d = 0..D
+  int* gcum = reinterpret_cast<int*>(Z + kMaxDepth + 1);            // [d][v]: row d's ranks in bins <= v
+  float* cum = reinterpret_cast<float*>(gcum + kMaxDepth * kWarp);  // [d][v]: depth d+1 paths, <= v
+  if (tid < kWarp) {  // warp 0: the chain's scores (D <= 32, one per lane) and lb
+    const double x = lane < D ? static_cast<double>(s_lp[lane * K]) : 0.0;
+    const double z = warp_inclusive_scan(x, lane);  // Z_{lane + 1}
+    Z[lane + 1] = z;
+    if (lane == 0) Z[0] = 0.0;
+    const int A = lane + 1, J = (budget + A - 1) / A;
+    const bool rows_enough = A <= D && J <= K;
+    double bound = INFINITY;
+    for (int a = 0; a < D; ++a) {
+      const double za = a > 0 ? __shfl_sync(kFullMask, z, a - 1) : 0.0;
+      if (rows_enough && a < A) bound = fmin(bound, za + static_cast<double>(s_lp[a * K + J - 1]));
+    }
+    const double lb = warp_max(rows_enough ? bound : -INFINITY);
+    const unsigned above = __ballot_sync(kFullMask, lane < D && z >= lb);
+    if (lane == 0) {
+      sh.bound_lb = lb;
+      sh.bound_depths = above == kFullMask ? kWarp : __ffs(~above) - 1;  // depths 1..n at or above lb
+      sh.bound_key = 0ull;
+    }
+  }
+  __syncthreads();
+  const double lb = sh.bound_lb, top = Z[1];
+  const int depths = sh.bound_depths;
+  if (!(lb > -INFINITY) || !(top - lb > 0.0)) return lb - 0x1p-40 * (fabs(lb) + fabs(top));  // block-uniform
+  const double width = (top - lb) / kWarp, up = (1.0 + 0x1p-40) / width, down = (1.0 - 0x1p-40) / width;
+  // Row d's ranks in bins <= v: a prefix (costs grow with the rank); bin(c) <= v iff c <= 0 or
+  // c * up < v, with bin(c) = floor(c * up) + 1 for c > 0.
+  for (int i = tid; i < depths * kWarp; i += kBlock) {
+    const Staged* row = s_lp + (i / kWarp) * K;
+    const double head = static_cast<double>(row[0]), v = static_cast<double>(i % kWarp);
+    int n = 0;
+    for (int step = pow2_at_most(K); step > 0; step /= 2) {
+      if (n + step <= K) {
+        const double c = head - static_cast<double>(row[n + step - 1]);
+        if (c <= 0.0 || c * up < v) n += step;
+      }
+    }
+    gcum[i] = n;
+  }
+  __syncthreads();
+  if (tid < kWarp) {  // the counts, depth by depth: C = F convolved with the row's cumulative bins
+    float F = lane == 0 ? 1.0f : 0.0f;
+    for (int d = 0; d < depths; ++d) {
+      const int g = gcum[d * kWarp + lane];
+      float C = 0.0f;
+#pragma unroll
+      for (int u = 0; u < kWarp; ++u) {
+        const float fu = __shfl_sync(kFullMask, F, u);
+        const int gv = __shfl_up_sync(kFullMask, g, u);
+        if (lane >= u) C += fu * static_cast<float>(gv);
+      }
+      C = fminf(C, 1e30f);  // no inf, so no inf - inf below
+      cum[d * kWarp + lane] = C;
+      const float below = __shfl_up_sync(kFullMask, C, 1);
+      F = lane > 0 ? C - below : C;
+    }
+  }
+  __syncthreads();
+  // The candidates: t just below Z_d - k * w, where depth d's count steps; the best t whose
+  // count reaches the budget.
+  double best = lb;
+  for (int i = tid; i < depths * kWarp; i += kBlock) {
+    const double t = Z[1 + i / kWarp] - static_cast<double>(i % kWarp) * width * (1.0 + 0x1p-38);
+    if (!(t > best)) continue;
+    float count = 0.0f;
+    for (int d = 0; d < depths; ++d) {
+      const double r = (Z[d + 1] - t) * down;
+      if (r >= 0.0) count += cum[d * kWarp + static_cast<int>(fmin(r, kWarp - 1.0))];
+    }
+    if (count >= static_cast<float>(budget)) best = t;
+  }
+  const unsigned long long k = warp_max(order_key(best));
+  if (lane == 0) atomicMax(&sh.bound_key, k);
+  __syncthreads();
+  const double t = key_double(sh.bound_key);
+  return t - 0x1p-40 * (fabs(t) + fabs(top) + (top - lb));
+}
+
 // Sorts keys[0, n) ascending (n a power of two >= 64; all threads of the block call it). A
 // bitonic network: steps between elements of one 64-element chunk run in registers (lane l holds
 // chunk elements l and l + 32; partners by shuffle), only the wider steps go through shared
@@ -979,6 +1084,11 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
   int n = 0;
   bool fallback = false;
   if (status == kOk) {
+    // tau starts at a lower bound on the budget-th best score; the pool's scores are its scratch
+    // (a launch's capacity C is >= kMinPool; the emulation's small ones go without).
+    double tau = C >= kMinPool ? tau_lower_bound(s_lp, D, K, budget, reinterpret_cast<unsigned char*>(p_score), sh)
+                               : -INFINITY;
+    DDTREE_PHASE(3);
     // The pool: slot 0 is the root.
     if (tid == 0) {
       p_score[0] = 0.0;
@@ -988,12 +1098,14 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       p_depth[0] = 0;
     }
     __syncthreads();
-    double tau = -INFINITY;
     int count = 1, lo = 0, hi = 1, live = 0;
     Grid grid;
     int first_level = 1;
-    if (exact) {  // level 1 needs no counts or scan: the root's children are ranks 0..c-1
-      const int c = min(K, budget);  // tau is -inf and prod(root) = 1; C >= kMinPool > c
+    if (exact) {  // level 1 needs no scan: the root's children are ranks 0..c-1 (prod(root) = 1)
+      const int c0 = min(K, budget);  // C >= kMinPool > c0
+      int c = 0;  // those above tau, a prefix: every thread searches alike
+      for (int step = pow2_at_most(c0); step > 0; step /= 2)
+        if (c + step <= c0 && 0.0 + static_cast<double>(s_lp[c + step - 1]) >= tau) c += step;
       for (int j = tid; j < c; j += kBlock) {
         p_score[1 + j] = 0.0 + static_cast<double>(s_lp[j]);  // the general path's operation
         p_prefix[1 + j] = 0;
