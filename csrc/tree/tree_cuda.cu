@@ -843,15 +843,20 @@ __device__ bool rise(const double* score, int count, double& tau, int& live, int
 // far above any budget; larger ones only need to read as >= budget. Rounding is covered by the
 // factors 1 +- 2^-40 and a final margin; the verification decides in the end anyway. Returns
 // -inf (no bound) when fewer than budget such paths exist. Block-uniform.
-constexpr size_t kBoundScratch = sizeof(double) * (kMaxDepth + 1) + 2 * sizeof(int) * kMaxDepth * kWarp;
+// Scratch: Z (33 doubles, 34 taken so that Fs is 16-byte aligned), the rows' bin counts as floats
+// behind kWarp zeros each (so that G[v - u] for u > v reads 0), the counts by depth, and F.
+constexpr int kChainSlots = kMaxDepth + 2;
+constexpr size_t kBoundScratch =
+    sizeof(double) * kChainSlots + sizeof(float) * (2 * kMaxDepth * kWarp + kMaxDepth * kWarp + kWarp);
 static_assert(kBoundScratch <= sizeof(double) * kMinPool, "tau_lower_bound's scratch is the pool's scores");
 template <typename Staged>
 __device__ double tau_lower_bound(const Staged* s_lp, int D, int K, int budget, unsigned char* scratch,
                                   BlockScalars& sh) {
   const int tid = threadIdx.x, lane = tid % kWarp;
   double* Z = reinterpret_cast<double*>(scratch);                   // Z[d], d = 0..D
-  int* gcum = reinterpret_cast<int*>(Z + kMaxDepth + 1);            // [d][v]: row d's ranks in bins <= v
-  float* cum = reinterpret_cast<float*>(gcum + kMaxDepth * kWarp);  // [d][v]: depth d+1 paths, <= v
+  float* gpad = reinterpret_cast<float*>(Z + kChainSlots);       // [d][kWarp + v]: row d's ranks in bins <= v
+  float* cum = gpad + 2 * kMaxDepth * kWarp;                        // [d][v]: depth d+1 paths in bins <= v
+  float* Fs = cum + kMaxDepth * kWarp;                              // [v]: F of the depth at hand
   if (tid < kWarp) {  // warp 0: the chain's scores (D <= 32, one per lane) and lb
     const double x = lane < D ? static_cast<double>(s_lp[lane * K]) : 0.0;
     const double z = warp_inclusive_scan(x, lane);  // Z_{lane + 1}
@@ -860,6 +865,7 @@ __device__ double tau_lower_bound(const Staged* s_lp, int D, int K, int budget, 
     const int A = lane + 1, J = (budget + A - 1) / A;
     const bool rows_enough = A <= D && J <= K;
     double bound = INFINITY;
+#pragma unroll 4
     for (int a = 0; a < D; ++a) {
       const double za = a > 0 ? __shfl_sync(kFullMask, z, a - 1) : 0.0;
       if (rows_enough && a < A) bound = fmin(bound, za + static_cast<double>(s_lp[a * K + J - 1]));
@@ -878,35 +884,48 @@ __device__ double tau_lower_bound(const Staged* s_lp, int D, int K, int budget, 
   if (!(lb > -INFINITY) || !(top - lb > 0.0)) return lb - 0x1p-40 * (fabs(lb) + fabs(top));  // block-uniform
   const double width = (top - lb) / kWarp, up = (1.0 + 0x1p-40) / width, down = (1.0 - 0x1p-40) / width;
   // Row d's ranks in bins <= v: a prefix (costs grow with the rank); bin(c) <= v iff c <= 0 or
-  // c * up < v, with bin(c) = floor(c * up) + 1 for c > 0.
-  for (int i = tid; i < depths * kWarp; i += kBlock) {
+  // c * up < v, with bin(c) = floor(c * up) + 1 for c > 0. Two searches at a time, interleaved.
+  auto in_bins = [&](int i, int n) {
     const Staged* row = s_lp + (i / kWarp) * K;
-    const double head = static_cast<double>(row[0]), v = static_cast<double>(i % kWarp);
-    int n = 0;
+    const double c = static_cast<double>(row[0]) - static_cast<double>(row[n - 1]);
+    return c <= 0.0 || c * up < static_cast<double>(i % kWarp);
+  };
+  for (int i = tid; i < depths * kWarp; i += 2 * kBlock) {
+    const int i2 = i + kBlock;
+    const bool two = i2 < depths * kWarp;
+    int n = 0, n2 = 0;
     for (int step = pow2_at_most(K); step > 0; step /= 2) {
-      if (n + step <= K) {
-        const double c = head - static_cast<double>(row[n + step - 1]);
-        if (c <= 0.0 || c * up < v) n += step;
-      }
+      if (n + step <= K && in_bins(i, n + step)) n += step;
+      if (two && n2 + step <= K && in_bins(i2, n2 + step)) n2 += step;
     }
-    gcum[i] = n;
+    gpad[(i / kWarp) * 2 * kWarp + i % kWarp] = 0.0f;
+    gpad[(i / kWarp) * 2 * kWarp + kWarp + i % kWarp] = static_cast<float>(n);
+    if (two) {
+      gpad[(i2 / kWarp) * 2 * kWarp + i2 % kWarp] = 0.0f;
+      gpad[(i2 / kWarp) * 2 * kWarp + kWarp + i2 % kWarp] = static_cast<float>(n2);
+    }
   }
   __syncthreads();
   if (tid < kWarp) {  // the counts, depth by depth: C = F convolved with the row's cumulative bins
     float F = lane == 0 ? 1.0f : 0.0f;
     for (int d = 0; d < depths; ++d) {
-      const int g = gcum[d * kWarp + lane];
-      float C = 0.0f;
+      Fs[lane] = F;
+      __syncwarp();
+      const float* g = gpad + d * 2 * kWarp + kWarp + lane;  // g[-u] = G[lane - u]
+      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int u = 0; u < kWarp; ++u) {
-        const float fu = __shfl_sync(kFullMask, F, u);
-        const int gv = __shfl_up_sync(kFullMask, g, u);
-        if (lane >= u) C += fu * static_cast<float>(gv);
+      for (int u = 0; u < kWarp; u += 4) {
+        const float4 f = *reinterpret_cast<const float4*>(Fs + u);  // F[u..u+3] to every lane
+        c[0] += f.x * g[-u];
+        c[1] += f.y * g[-u - 1];
+        c[2] += f.z * g[-u - 2];
+        c[3] += f.w * g[-u - 3];
       }
-      C = fminf(C, 1e30f);  // no inf, so no inf - inf below
+      const float C = fminf((c[0] + c[1]) + (c[2] + c[3]), 1e30f);  // no inf, so no inf - inf below
       cum[d * kWarp + lane] = C;
       const float below = __shfl_up_sync(kFullMask, C, 1);
       F = lane > 0 ? C - below : C;
+      __syncwarp();  // Fs is read before the next depth writes it
     }
   }
   __syncthreads();
@@ -917,9 +936,10 @@ __device__ double tau_lower_bound(const Staged* s_lp, int D, int K, int budget, 
     const double t = Z[1 + i / kWarp] - static_cast<double>(i % kWarp) * width * (1.0 + 0x1p-38);
     if (!(t > best)) continue;
     float count = 0.0f;
+#pragma unroll 4
     for (int d = 0; d < depths; ++d) {
       const double r = (Z[d + 1] - t) * down;
-      if (r >= 0.0) count += cum[d * kWarp + static_cast<int>(fmin(r, kWarp - 1.0))];
+      count += r >= 0.0 ? cum[d * kWarp + static_cast<int>(fmin(r, kWarp - 1.0))] : 0.0f;
     }
     if (count >= static_cast<float>(budget)) best = t;
   }
@@ -1086,8 +1106,18 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
   if (status == kOk) {
     // tau starts at a lower bound on the budget-th best score; the pool's scores are its scratch
     // (a launch's capacity C is >= kMinPool; the emulation's small ones go without).
+    sh.hist[tid] = 0;  // (the bound's barriers order this before the grid's first use)
     double tau = C >= kMinPool ? tau_lower_bound(s_lp, D, K, budget, reinterpret_cast<unsigned char*>(p_score), sh)
                                : -INFINITY;
+    // With a bound the threshold grid is laid at once over [tau, lp[0][0]] (every score but
+    // positive log-probs' lies below lp[0][0]; those land in the top bin), and every node joins
+    // it as it is written: the final rise is then a scan of the bins.
+    Grid grid;
+    const double top = static_cast<double>(s_lp[0]);
+    if (tau > -INFINITY && top - tau > 0.0) {  // block-uniform
+      grid = {tau, kBins / (top - tau), true};
+      if (tid == 0) sh.cut_bin = 0;  // no cut yet: the rank sorts unless a rise sets one
+    }
     DDTREE_PHASE(3);
     // The pool: slot 0 is the root.
     if (tid == 0) {
@@ -1099,7 +1129,6 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
     }
     __syncthreads();
     int count = 1, lo = 0, hi = 1, live = 0;
-    Grid grid;
     int first_level = 1;
     if (exact) {  // level 1 needs no scan: the root's children are ranks 0..c-1 (prod(root) = 1)
       const int c0 = min(K, budget);  // C >= kMinPool > c0
@@ -1107,7 +1136,9 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       for (int step = pow2_at_most(c0); step > 0; step /= 2)
         if (c + step <= c0 && 0.0 + static_cast<double>(s_lp[c + step - 1]) >= tau) c += step;
       for (int j = tid; j < c; j += kBlock) {
-        p_score[1 + j] = 0.0 + static_cast<double>(s_lp[j]);  // the general path's operation
+        const double sc = 0.0 + static_cast<double>(s_lp[j]);  // the general path's operation
+        p_score[1 + j] = sc;
+        if (grid.on) add_to_grid(grid, sc, sh);
         p_prefix[1 + j] = 0;
         p_rank[1 + j] = static_cast<int16_t>(j);
         p_prod[1 + j] = static_cast<int16_t>(j + 1);
