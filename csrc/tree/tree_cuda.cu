@@ -737,6 +737,9 @@ struct Grid {
   bool on = false;
 };
 
+// The grid of kBins bins over [mn, mx] (mx > mn).
+__device__ __forceinline__ Grid grid_over(double mn, double mx) { return {mn, kBins / (mx - mn), true}; }
+
 __device__ __forceinline__ void add_to_grid(const Grid& grid, double s, BlockScalars& sh) {
   atomicAdd(&sh.hist[bin_of(s, grid.mn, grid.scale)], 1);
 }
@@ -793,7 +796,7 @@ __device__ bool lay_grid(ForEachScore for_each_score, Grid& grid, BlockScalars& 
   const double mn = key_double(sh.key_min), mx = key_double(sh.key_max);
   __syncthreads();  // everyone has read the keys
   if (!(mx - mn > 0.0)) return false;
-  grid = {mn, kBins / (mx - mn), true};
+  grid = grid_over(mn, mx);
   for_each_score([&](double s) { add_to_grid(grid, s, sh); });
   __syncthreads();
   return true;
@@ -1117,7 +1120,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
     Grid grid;
     const double top = static_cast<double>(s_lp[0]);
     if (tau > -INFINITY && top - tau > 0.0) {  // block-uniform
-      grid = {tau, kBins / (top - tau), true};
+      grid = grid_over(tau, top);
       if (tid == 0) sh.cut_bin = 0;  // no cut yet: the rank sorts unless a rise sets one
     }
     DDTREE_PHASE(3);
