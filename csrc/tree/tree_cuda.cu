@@ -645,9 +645,7 @@ struct BlockScalars {
   unsigned int abs_max;  // float bits of max |lp|
   int lowest_bit;        // min over the log-probs of lowest_bit_exponent
   int flags;             // 1: a value not finite, 2: a row out of order
-  double bound_lb;       // tau_lower_bound's scalars
-  unsigned long long bound_key;
-  int bound_depths;
+  unsigned long long bound_key;  // tau_lower_bound's best candidate
 };
 // Dynamic shared memory a block may take: BlockScalars is static and counts against the 227 KB.
 constexpr size_t kBlockSharedLimit = 227 * 1024 - (sizeof(BlockScalars) + 15) / 16 * 16;
@@ -846,45 +844,54 @@ __device__ bool rise(const double* score, int count, double& tau, int& live, int
 // far above any budget; larger ones only need to read as >= budget. Rounding is covered by the
 // factors 1 +- 2^-40 and a final margin; the verification decides in the end anyway. Returns
 // -inf (no bound) when fewer than budget such paths exist. Block-uniform.
+// Where the time goes: every part is one or two dependent passes spread over warps (session 16:
+// lb on four warps and the counts on two took budget 256 from 32.1 to 31.0 us, 512 from 36.5 to
+// 35.6; lb on all eight warps alike, or the bins by a warp per row over the ranks, were slower).
 // Scratch: Z (33 doubles, 34 taken so that Fs is 16-byte aligned), the rows' bin counts as floats
-// behind kWarp zeros each (so that G[v - u] for u > v reads 0), the counts by depth, and F.
+// behind kWarp zeros each (so that G[v - u] for u > v reads 0), the counts by depth (first lb's
+// partial minima), and two warps' densities.
 constexpr int kChainSlots = kMaxDepth + 2;
 constexpr int kBoundMinBudget = 192;  // smaller budgets start tau at -inf
 constexpr size_t kBoundScratch =
-    sizeof(double) * kChainSlots + sizeof(float) * (2 * kMaxDepth * kWarp + kMaxDepth * kWarp + kWarp);
+    sizeof(double) * kChainSlots + sizeof(float) * (2 * kMaxDepth * kWarp + kMaxDepth * kWarp + 2 * kWarp);
 static_assert(kBoundScratch <= sizeof(double) * kMinPool, "tau_lower_bound's scratch is the pool's scores");
 template <typename Staged>
 __device__ double tau_lower_bound(const Staged* s_lp, int D, int K, int budget, unsigned char* scratch,
                                   BlockScalars& sh) {
-  const int tid = threadIdx.x, lane = tid % kWarp;
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
   double* Z = reinterpret_cast<double*>(scratch);                   // Z[d], d = 0..D
   float* gpad = reinterpret_cast<float*>(Z + kChainSlots);       // [d][kWarp + v]: row d's ranks in bins <= v
   float* cum = gpad + 2 * kMaxDepth * kWarp;                        // [d][v]: depth d+1 paths in bins <= v
-  float* Fs = cum + kMaxDepth * kWarp;                              // [v]: F of the depth at hand
-  if (tid < kWarp) {  // warp 0: the chain's scores (D <= 32, one per lane) and lb
+  float* Fs = cum + kMaxDepth * kWarp;                              // [w][v]: warp w's density at hand
+  // lb: warps 0..3 (one per scheduler) each take the chain's scores (D <= 32, one per lane) and,
+  // lane A - 1, the minimum over a quarter of the rows a < A; every warp then joins the quarters.
+  double* lb_part = reinterpret_cast<double*>(cum);  // [quarter][A - 1]
+  if (warp < 4) {
     const double x = lane < D ? static_cast<double>(s_lp[lane * K]) : 0.0;
     const double z = warp_inclusive_scan(x, lane);  // Z_{lane + 1}
-    Z[lane + 1] = z;
-    if (lane == 0) Z[0] = 0.0;
+    if (warp == 0) {
+      Z[lane + 1] = z;
+      if (lane == 0) {
+        Z[0] = 0.0;
+        sh.bound_key = 0ull;
+      }
+    }
     const int A = lane + 1, J = (budget + A - 1) / A;
     const bool rows_enough = A <= D && J <= K;
     double bound = INFINITY;
-#pragma unroll 4
-    for (int a = 0; a < D; ++a) {
+    const int a0 = warp * D / 4, a1 = (warp + 1) * D / 4;
+    for (int a = a0; a < a1; ++a) {
       const double za = a > 0 ? __shfl_sync(kFullMask, z, a - 1) : 0.0;
       if (rows_enough && a < A) bound = fmin(bound, za + static_cast<double>(s_lp[a * K + J - 1]));
     }
-    const double lb = warp_max(rows_enough ? bound : -INFINITY);
-    const unsigned above = __ballot_sync(kFullMask, lane < D && z >= lb);
-    if (lane == 0) {
-      sh.bound_lb = lb;
-      sh.bound_depths = above == kFullMask ? kWarp : __ffs(~above) - 1;  // depths 1..n at or above lb
-      sh.bound_key = 0ull;
-    }
+    lb_part[warp * kWarp + lane] = rows_enough ? bound : -INFINITY;
   }
   __syncthreads();
-  const double lb = sh.bound_lb, top = Z[1];
-  const int depths = sh.bound_depths;
+  const double lb = warp_max(fmin(fmin(lb_part[lane], lb_part[kWarp + lane]),
+                                  fmin(lb_part[2 * kWarp + lane], lb_part[3 * kWarp + lane])));
+  const double top = Z[1];
+  const unsigned above = __ballot_sync(kFullMask, lane < D && Z[lane + 1] >= lb);
+  const int depths = above == kFullMask ? kWarp : __ffs(~above) - 1;  // depths 1..n at or above lb
   if (!(lb > -INFINITY) || !(top - lb > 0.0)) return lb - 0x1p-40 * (fabs(lb) + fabs(top));  // block-uniform
   const double width = (top - lb) / kWarp, up = (1.0 + 0x1p-40) / width, down = (1.0 - 0x1p-40) / width;
   // Row d's ranks in bins <= v: a prefix (costs grow with the rank); bin(c) <= v iff c <= 0 or
@@ -910,28 +917,42 @@ __device__ double tau_lower_bound(const Staged* s_lp, int D, int K, int budget, 
     }
   }
   __syncthreads();
-  if (tid < kWarp) {  // the counts, depth by depth: C = F convolved with the row's cumulative bins
-    float F = lane == 0 ? 1.0f : 0.0f;
-    for (int d = 0; d < depths; ++d) {
-      Fs[lane] = F;
-      __syncwarp();
-      const float* g = gpad + d * 2 * kWarp + kWarp + lane;  // g[-u] = G[lane - u]
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // The counts: cum[d] cumulates P_d = g_0 * ... * g_d (densities, * the convolution). Two
+  // warps share the chain: warp 0 takes P_0..P_{h-1} (into cum), warp 1 meanwhile the products
+  // g_h * ... * g_d of the other half (cumulated, in place of row d's bins); after a barrier
+  // every warp takes one of those d and convolves it with P_{h-1}: h + 1 dependent steps
+  // instead of depths. convolve(f, d): lane v gets sum_u f[u] * (row d's bins)[v - u].
+  auto convolve = [&](const float* f, int d) {
+    const float* g = gpad + d * 2 * kWarp + kWarp + lane;  // g[-u] = G[lane - u], 0 for u > lane
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int u = 0; u < kWarp; u += 4) {
-        const float4 f = *reinterpret_cast<const float4*>(Fs + u);  // F[u..u+3] to every lane
-        c[0] += f.x * g[-u];
-        c[1] += f.y * g[-u - 1];
-        c[2] += f.z * g[-u - 2];
-        c[3] += f.w * g[-u - 3];
-      }
-      const float C = fminf((c[0] + c[1]) + (c[2] + c[3]), 1e30f);  // no inf, so no inf - inf below
-      cum[d * kWarp + lane] = C;
+    for (int u = 0; u < kWarp; u += 4) {
+      const float4 fu = *reinterpret_cast<const float4*>(f + u);  // f[u..u+3] to every lane
+      c[0] += fu.x * g[-u];
+      c[1] += fu.y * g[-u - 1];
+      c[2] += fu.z * g[-u - 2];
+      c[3] += fu.w * g[-u - 3];
+    }
+    return fminf((c[0] + c[1]) + (c[2] + c[3]), 1e30f);  // no inf, so no inf - inf below
+  };
+  const int h = (depths + 1) / 2;
+  if (warp < 2) {
+    const int d0 = warp == 0 ? 0 : h, d1 = warp == 0 ? h : depths;
+    float* fs = Fs + warp * kWarp;
+    float F = lane == 0 ? 1.0f : 0.0f;  // the density so far
+    for (int d = d0; d < d1; ++d) {
+      fs[lane] = F;
+      __syncwarp();
+      const float C = convolve(fs, d);
+      __syncwarp();  // row d's bins are read before warp 1 overwrites them
+      (warp == 0 ? cum + d * kWarp : gpad + d * 2 * kWarp + kWarp)[lane] = C;
       const float below = __shfl_up_sync(kFullMask, C, 1);
       F = lane > 0 ? C - below : C;
-      __syncwarp();  // Fs is read before the next depth writes it
     }
+    if (warp == 0) Fs[lane] = F;  // P_{h-1}
   }
+  __syncthreads();
+  for (int d = h + warp; d < depths; d += kBlock / kWarp) cum[d * kWarp + lane] = convolve(Fs, d);
   __syncthreads();
   // The candidates: t just below Z_d - k * w, where depth d's count steps; the best t whose
   // count reaches the budget.
