@@ -303,8 +303,8 @@ template <int M, typename Staged>
 void run_block(const Case& c, Result& r, int capacity) {
   const auto in = args_of(c);
   const auto out = r.outputs();
-  const size_t smem = tree::BlockShared(c.depth, c.topk, c.budget, capacity, sizeof(Staged)).bytes;
-  emu::launch(c.batch, tree::kBlock, smem, [&] { tree::block_build_kernel<M, Staged>(in, out, capacity); });
+  const tree::BlockShared layout(c.depth, c.topk, c.budget, capacity, sizeof(Staged));
+  emu::launch(c.batch, tree::kBlock, layout.bytes, [&] { tree::block_build_kernel<M, Staged>(in, out, layout, capacity); });
 }
 
 template <int M>
