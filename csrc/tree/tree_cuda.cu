@@ -608,7 +608,7 @@ struct BlockShared {
   size_t bytes;
   size_t lp, pool_score, cand_score, offs, pool_prefix, pool_rank, pool_prod, pool_index,
       cand_slot, node, order, pool_depth, has_next, has_child;
-  __host__ __device__ BlockShared(int D, int K, int N, int C, size_t staged_size) {
+  BlockShared(int D, int K, int N, int C, size_t staged_size) {  // host only: the kernel takes it as an argument
     const int Mc = sort_length(kCandidateFactor * N);
     size_t o = 0;
     auto take = [&o](size_t n, size_t align) {
