@@ -51,7 +51,7 @@ static T* device_array(long n) {
 }
 
 static const char* kPhaseNames[16] = {"stage+checks", "level count+scan", "level write", "rises",
-                                      "candidates", "rank (bins|sort)", "verify", "fallback loop", "outputs", "",
+                                      "candidates", "rank (bins|sort)", "verify", "fallback loop", "outputs", "queue pool",
                                       "w:stage", "w:loop", "w:outputs"};
 
 int main(int argc, char** argv) {

@@ -37,6 +37,8 @@ def test_emulated_cuda_build_matches_cpu_backend(emulator, seed):
     assert run.stdout.startswith("ok"), run.stdout
     fast = int(run.stdout.split("block kernel: ")[1].split(" fast")[0])
     assert fast > 0, run.stdout  # the parallel path ran, not only the fallback
+    queued = int(run.stdout.split("pools by the queue: ")[1].split(" built")[0])
+    assert queued > 0, run.stdout  # case 2 (drafter-like, budget 256) builds its pool by the work queue
 
 
 @pytest.mark.parametrize("seed", [2])

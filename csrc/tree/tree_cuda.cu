@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 #define DDTREE_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #define DDTREE_BLOCK_PATH(fallback, exact)  // the emulation counts the block kernel's paths
+#define DDTREE_QUEUE_PATH(used)  // ... and queue_pool's outcomes
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 // The lane and its bit from the special registers, through volatile asm: nvcc otherwise recomputes
 // them from the thread index (an S2R, ~20 cycles) inside the pop loop instead of keeping a register.
@@ -646,6 +647,7 @@ struct BlockScalars {
   int lowest_bit;        // min over the log-probs of lowest_bit_exponent
   int flags;             // 1: a value not finite, 2: a row out of order
   unsigned long long bound_key;  // tau_lower_bound's best candidate
+  int q_head, q_slots, q_done, q_abort;  // queue_pool: the queue's head, slots taken, items done, abort
 };
 // Dynamic shared memory a block may take: BlockScalars is static and counts against the 227 KB.
 constexpr size_t kBlockSharedLimit = 227 * 1024 - (sizeof(BlockScalars) + 15) / 16 * 16;
@@ -829,6 +831,148 @@ __device__ bool rise(const double* score, int count, double& tau, int& live, int
   }
   rise_from_grid(grid, tau, live, budget, sh);
   return true;
+}
+
+// Exact sums: the children of a node scoring `base` whose scores base + row[j] are >= tau, among
+// j < limit: a prefix, since rows descend. Galloping (probes 0, 1, 3, 7, ..., then a binary
+// search between the last two), since most live parents have few children.
+// count_prefix(limit, holds): the j < limit for which holds(j), a prefix.
+template <typename Holds>
+__device__ __forceinline__ int count_prefix(int limit, Holds holds) {
+  int a = 0, z = limit;
+  for (int probe = 0; probe < z;) {
+    if (holds(probe)) a = probe + 1;
+    else z = probe;
+    probe = 2 * probe + 1;
+  }
+  while (a < z) {
+    const int mid = (a + z) / 2;
+    if (holds(mid)) a = mid + 1;
+    else z = mid;
+  }
+  return a;
+}
+template <typename Staged>
+__device__ __forceinline__ int count_at_least(const Staged* row, double base, double tau, int limit) {
+  return count_prefix(limit, [&](int j) { return base + static_cast<double>(row[j]) >= tau; });
+}
+
+#ifndef DDTREE_TREE_EMULATION
+// Words other threads of the block publish (volatile: re-read on every poll); the caller fences
+// where a poll guards later reads, and before a publish.
+__device__ __forceinline__ unsigned long long poll_word(const unsigned long long* p) {
+  return *reinterpret_cast<const volatile unsigned long long*>(p);
+}
+__device__ __forceinline__ int poll_int(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
+__device__ __forceinline__ void publish_word(unsigned long long* p, unsigned long long v) {
+  *reinterpret_cast<volatile unsigned long long*>(p) = v;
+}
+__device__ __forceinline__ void publish_int(int* p, int v) { *reinterpret_cast<volatile int*>(p) = v; }
+__device__ __forceinline__ void idle_pause() {}  // __nanosleep(64) or (256): 0.4-0.8 us slower at budget 256
+#endif
+
+// The pool by a work queue (session 17), where tau is fixed from the start (exact sums, a lower
+// bound): no level barriers. A node's item is published once its slot is reserved: families take
+// consecutive slots in rank order (so a node's elder sibling is the slot before it), and the item
+// of slot s sits at queue[s - 1], so one atomic reserves both. The lane that takes an item writes
+// the node, counts its children above tau, reserves their slots and publishes their items, then
+// adds the node to the grid (off the chain: the shared atomic would hold up the publish's fence).
+// A warp takes the run of published items at the queue's head, up to one per lane, and processes
+// them side by side. Counters are 32-bit (64-bit shared atomics are compare-and-swap loops).
+// Returns the slots used, or 0 on abort (the pool past max_slots; the caller then builds by
+// levels). The pool is the set the levels build without rises: every node above tau whose product
+// of ranks + 1 is <= budget. H200, batch 64, us a launch over 300 back to back, against the levels
+// (same trees): budget 256 30.2 -> 23.5, 256 at T 0.5 39.9 -> 28.3, 512 32.9 -> 28.5, 1024 49.3
+// -> 44.5 (.diag/s17h.sh). On the way (each within ~0.5 us of layout noise): one 64-bit state
+// word (2.4x slower: compare-and-swap loops), a ticket per lane (a lane's pickup waited for its
+// warp's work), items of 2-8 children (0.8-2.4 us slower at 256), warps taking at most 4-16 items
+// (up to 16 us slower at 1024), __nanosleep for warps that find nothing (0.4-0.8 slower), the
+// limit by integer division (0.3-1.9 slower), a lane taking its first child itself instead of
+// publishing it (0.25 faster at 256, 0.7-1.0 slower at 512 / 1024).
+__device__ __forceinline__ unsigned long long queue_item(int parent, int rank, int depth) {
+  return static_cast<unsigned long long>(parent) | static_cast<unsigned long long>(rank) << 16 |
+         static_cast<unsigned long long>(depth) << 32 | 1ull << 62;
+}
+template <typename Staged>
+__device__ int queue_pool(const Staged* s_lp, int D, int K, int budget, double tau, const Grid& grid, double* p_score,
+                          int16_t* p_prefix, int16_t* p_rank, int16_t* p_prod, int8_t* p_depth,
+                          unsigned long long* queue, int C, BlockScalars& sh) {
+  const int tid = threadIdx.x, lane = tid % kWarp;
+  // A pool past kCandidateFactor * budget means a weak bound: the levels, which raise tau as
+  // they go, take over (the emulator's adversarial rows went to 5,700 slots at budget 256). The
+  // queue holds max_slots - 1 items.
+  const int max_slots = min(C, kCandidateFactor * budget);
+  // The root's children (prod(root) = 1), ranks j < min(K, budget) with lp[0][j] >= tau (a
+  // prefix, c0 >= 1 since tau <= lp[0][0]): each thread tests its own j and publishes its item,
+  // each warp counts its own into the slots (the counters were set before the caller's barrier).
+  // A galloping count on every thread instead was ~0.2 us slower at budget 256.
+  const int roots = min(K, budget);
+  for (int i0 = 0; i0 < max_slots; i0 += kBlock) {  // block-uniform trips
+    const int i = i0 + tid;
+    const bool child = i < roots && 0.0 + static_cast<double>(s_lp[i]) >= tau;  // the levels' operation
+    if (i < max_slots) queue[i] = child ? queue_item(0, i, 1) : 0ull;
+    const unsigned children = __ballot_sync(kFullMask, child);
+    if (lane == 0 && children) atomicAdd(&sh.q_slots, __popc(children));
+  }
+  __syncthreads();
+  // Writes the node of `slot` from its item, reserves its children's slots and publishes their items.
+  auto process = [&](int slot, unsigned long long item) {
+    const int p = static_cast<int>(item & 0xFFFF), j = static_cast<int>((item >> 16) & 0xFFFF);
+    const int d = static_cast<int>((item >> 32) & 0x3F);
+    const Staged* row = s_lp + (d - 1) * K;
+    const int prod = (j + 1) * p_prod[p];
+    const double sc = p_score[p] + static_cast<double>(row[j]);
+    p_score[slot] = sc;
+    p_prefix[slot] = static_cast<int16_t>(p);
+    p_rank[slot] = static_cast<int16_t>(j);
+    p_prod[slot] = static_cast<int16_t>(prod);
+    p_depth[slot] = static_cast<int8_t>(d);
+    // Its children: the product bound (j + 1) * prod <= budget tested per probe (an integer
+    // division for the limit instead was 0.3-1.9 us slower at budget 256).
+    const Staged* kids_row = row + K;
+    const int c = d < D ? count_prefix(K, [&](int i) {
+      return ((i + 1) * prod <= budget) & (sc + static_cast<double>(kids_row[i]) >= tau);
+    }) : 0;
+    if (c > 0) {
+      const int kids = atomicAdd(&sh.q_slots, c);
+      if (kids + c > max_slots) {
+        publish_int(&sh.q_abort, 1);
+      } else {
+        __threadfence_block();  // this node's record before the items that read it
+        for (int k = 0; k < c; ++k) publish_word(&queue[kids + k - 1], queue_item(slot, k, d + 1));
+      }
+    }
+    add_to_grid(grid, sc, sh);
+  };
+  for (;;) {
+    const int h = __shfl_sync(kFullMask, lane == 0 ? poll_int(&sh.q_head) : 0, 0);  // one read for the warp
+    const unsigned long long item = h + lane < max_slots ? poll_word(&queue[h + lane]) : 0ull;
+    const unsigned ready = __ballot_sync(kFullMask, item != 0);
+    const int k = ready == kFullMask ? kWarp : __ffs(static_cast<int>(~ready)) - 1;  // the run at the head
+    if (k > 0) {
+      int won = 0;
+      if (lane == 0) won = atomicCAS(&sh.q_head, h, h + k) == h;
+      if (__shfl_sync(kFullMask, won, 0)) {
+        __threadfence_block();  // the items' records after the items
+        if (lane < k) process(h + lane + 1, item);
+        __syncwarp();  // every lane's children reserved before these count as done
+        if (lane == 0) atomicAdd(&sh.q_done, k);
+      }
+      continue;
+    }
+    // Nothing published at the head: done when every reserved slot's item is (done read before
+    // the slots: equal means nothing was in flight, so nothing more can come) or on abort.
+    int finished = 0;
+    if (lane == 0) {
+      const int done = poll_int(&sh.q_done);
+      __threadfence_block();
+      finished = done + 1 == poll_int(&sh.q_slots) || poll_int(&sh.q_abort);
+    }
+    if (__shfl_sync(kFullMask, finished, 0)) break;
+    idle_pause();
+  }
+  __syncthreads();
+  return sh.q_abort ? 0 : sh.q_slots;  // (never written again)
 }
 
 // A lower bound on tau, the budget-th best score, before any level is built (session 15), so
@@ -1155,11 +1299,29 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       p_rank[0] = 0;
       p_prod[0] = 1;
       p_depth[0] = 0;
+      sh.q_head = 0;  // queue_pool's counters: the root's slot taken
+      sh.q_slots = 1;
+      sh.q_done = 0;
+      sh.q_abort = 0;
     }
     __syncthreads();
     int count = 1, lo = 0, hi = 1, live = 0;
     int first_level = 1;
-    if (exact) {  // level 1 needs no scan: the root's children are ranks 0..c-1 (prod(root) = 1)
+    if (exact && grid.on) {  // tau is fixed: the pool by the work queue, else (on abort) by levels
+      const int used = queue_pool(s_lp, D, K, budget, tau, grid, p_score, p_prefix, p_rank, p_prod, p_depth,
+                                  reinterpret_cast<unsigned long long*>(c_score), C, sh);
+      DDTREE_PHASE(9);
+      if (tid == 0) DDTREE_QUEUE_PATH(used);
+      if (used > 0) {
+        count = used;
+        live = used - 1;
+        first_level = D + 1;
+      } else {
+        sh.hist[tid] = 0;  // the levels add every node again
+        __syncthreads();
+      }
+    }
+    if (exact && first_level == 1) {  // level 1 needs no scan: the root's children are ranks 0..c-1 (prod(root) = 1)
       const int c0 = min(K, budget);  // C >= kMinPool > c0
       int c = 0;  // those above tau, a prefix: every thread searches alike
       for (int step = pow2_at_most(c0); step > 0; step /= 2)
@@ -1189,28 +1351,14 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       // A parent's child limit: 0 when it is dead.
       auto limit_of = [&](int p) { return p == 0 || p_score[p] >= tau ? min(K, budget / p_prod[p]) : 0; };
       // Its children above tau: j < c with base + row[j] >= tau, a prefix since rows descend.
-      // Exact sums: galloping (probes 0, 1, 3, 7, ..., then a binary search between the last
-      // two), since most live parents have few children; otherwise the contract's sibling chain.
+      // Exact sums: count_at_least's galloping search; otherwise the contract's sibling chain.
       auto children_of = [&](double base, int limit) {
+        if (exact) return count_at_least(row, base, tau, limit);
         int a = 0;
-        if (exact) {
-          int z = limit;
-          for (int probe = 0; probe < z;) {
-            if (base + static_cast<double>(row[probe]) >= tau) a = probe + 1;
-            else z = probe;
-            probe = 2 * probe + 1;
-          }
-          while (a < z) {
-            const int mid = (a + z) / 2;
-            if (base + static_cast<double>(row[mid]) >= tau) a = mid + 1;
-            else z = mid;
-          }
-        } else {
-          double sc = base + static_cast<double>(row[0]);
-          while (a < limit && sc >= tau) {
-            ++a;
-            if (a < limit) sc = (sc - static_cast<double>(row[a - 1])) + static_cast<double>(row[a]);
-          }
+        double sc = base + static_cast<double>(row[0]);
+        while (a < limit && sc >= tau) {
+          ++a;
+          if (a < limit) sc = (sc - static_cast<double>(row[a - 1])) + static_cast<double>(row[a]);
         }
         return a;
       };

@@ -31,6 +31,7 @@ struct Dim {
 };
 thread_local int tid = 0, bid = 0;
 std::atomic<int> path_count[3];  // block kernel requests: fast path (exact sums, chains), fallback
+std::atomic<int> queue_count[2];  // queue_pool: pools built, aborted
 struct Block {
   int threads = 0;
   std::unique_ptr<std::barrier<>> block_barrier;
@@ -142,6 +143,7 @@ void launch(int grid, int threads, size_t smem_bytes, F kernel) {
 #define DDTREE_DYNAMIC_SMEM(name) unsigned char* name = ::emu::dynamic_smem()
 #define threadIdx (::emu::thread_idx())
 #define DDTREE_BLOCK_PATH(fallback, exact) (::emu::path_count[(fallback) ? 2 : ((exact) ? 0 : 1)] += 1)
+#define DDTREE_QUEUE_PATH(used) (::emu::queue_count[(used) > 0 ? 0 : 1] += 1)
 #define blockIdx (::emu::block_idx())
 struct float4 {
   float x, y, z, w;
@@ -183,6 +185,20 @@ inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v)
 inline unsigned atomicMax(unsigned* p, unsigned v) { return emu::atomic_max(p, v); }
 inline int atomicMin(int* p, int v) { return emu::atomic_min(p, v); }
 inline int atomicOr(int* p, int v) { return std::atomic_ref<int>(*p).fetch_or(v); }
+inline int atomicCAS(int* p, int compare, int v) {
+  std::atomic_ref<int>(*p).compare_exchange_strong(compare, v);
+  return compare;
+}
+inline bool __all_sync(unsigned, bool p) { return emu::ballot(p) == 0xFFFFFFFFu; }
+inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+// queue_pool's polled words: atomic in C++ terms (a plain load would be a data race).
+inline unsigned long long poll_word(const unsigned long long* p) {
+  return std::atomic_ref<unsigned long long>(*const_cast<unsigned long long*>(p)).load();
+}
+inline int poll_int(const int* p) { return std::atomic_ref<int>(*const_cast<int*>(p)).load(); }
+inline void publish_word(unsigned long long* p, unsigned long long v) { std::atomic_ref<unsigned long long>(*p).store(v); }
+inline void publish_int(int* p, int v) { std::atomic_ref<int>(*p).store(v); }
+inline void idle_pause() { std::this_thread::yield(); }  // 256 threads on a few cores make progress
 inline void prefetch_l1(const void*) {}
 inline int lane_id() { return emu::tid % emu::kWarpSize; }
 inline unsigned lane_bit() { return 1u << lane_id(); }
@@ -243,13 +259,19 @@ Case make_case(std::mt19937_64& rng, int index) {
     c.depth = 6;
     c.budget = c.topk = 128;
   }
+  const bool drafter_like = index == 2;  // every run: a pool built by the queue (exact sums, a bound, peaked rows)
+  if (drafter_like) {
+    c.kind = "rand";
+    c.depth = 16;
+    c.budget = c.topk = 256;
+  }
   c.batch = 1 + static_cast<int>(rng() % 3);
   const int numel = c.depth * c.topk;
   c.lp.resize(static_cast<size_t>(c.batch) * numel);
   c.ids.resize(c.lp.size());
   std::normal_distribution<double> normal;
   const double temps[] = {0.3, 1.0, 3.0};
-  const double temp = temps[rng() % 3];
+  const double temp = drafter_like ? 1.0 : temps[rng() % 3];
   const float few[] = {0.0f, -0.1f, -0.25f, -0.3f, -0.7f, -1.0f};
   for (int b = 0; b < c.batch; ++b)
     for (int d = 0; d < c.depth; ++d) {
@@ -344,7 +366,43 @@ void print_mismatch(const char* which, int i, const Case& c, const Result& got, 
 // ./a.out CASES SEED [both|warp]: "both" (default) runs the block kernel on every case and the
 // warp kernel on every other one (budgets <= 256, and larger ones now and then); "warp" runs only
 // the warp kernel, on every case.
+// ./a.out file LP IDS BATCH D K BUDGET: the block kernel on one batch from disk (float32 log-probs,
+// int32 ids, as benchmarks/tree_inputs.py writes them) against the cpu backend.
+int run_file(char** argv) {
+  Case c;
+  c.kind = "file";
+  c.batch = std::atoi(argv[4]);
+  c.depth = std::atoi(argv[5]);
+  c.topk = std::atoi(argv[6]);
+  c.budget = std::atoi(argv[7]);
+  const size_t numel = static_cast<size_t>(c.batch) * c.depth * c.topk;
+  c.lp.resize(numel);
+  c.ids.resize(numel);
+  auto read = [](const char* path, void* dst, size_t bytes) {
+    FILE* f = std::fopen(path, "rb");
+    const bool ok = f && std::fread(dst, 1, bytes, f) == bytes;
+    if (f) std::fclose(f);
+    return ok;
+  };
+  if (!read(argv[2], c.lp.data(), numel * 4) || !read(argv[3], c.ids.data(), numel * 4)) {
+    std::printf("cannot read the batch\n");
+    return 2;
+  }
+  Result want(c), got(c);
+  tree::build_trees_cpu(args_of(c), want.outputs(), 1);
+  run_block_rows<double>(c, got, tree::block_capacity<double>(c.depth, c.topk, c.budget));
+  if (!(got == want)) {
+    print_mismatch("block", 0, c, got, want);
+    return 1;
+  }
+  std::printf("ok %d trees; block kernel: %d fast, %d fallback; pools by the queue: %d built, %d aborted\n", c.batch,
+              emu::path_count[0].load() + emu::path_count[1].load(), emu::path_count[2].load(),
+              emu::queue_count[0].load(), emu::queue_count[1].load());
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc >= 8 && std::string(argv[1]) == "file") return run_file(argv);
   const int cases = argc > 1 ? std::atoi(argv[1]) : 50;
   const unsigned seed = argc > 2 ? std::atoi(argv[2]) : 1;
   const std::string mode = argc > 3 ? argv[3] : "both";
@@ -381,8 +439,9 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("ok %d cases, %d trees (block kernel), %d trees (warp kernel); block kernel: %d fast (%d of them on "
-              "chains), %d fallback\n",
+              "chains), %d fallback; pools by the queue: %d built, %d aborted\n",
               cases, checked, warp_checked, emu::path_count[0].load() + emu::path_count[1].load(),
-              emu::path_count[1].load(), emu::path_count[2].load());
+              emu::path_count[1].load(), emu::path_count[2].load(), emu::queue_count[0].load(),
+              emu::queue_count[1].load());
   return 0;
 }
