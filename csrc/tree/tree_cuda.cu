@@ -570,7 +570,8 @@ __global__ void __launch_bounds__(kBuildThreads, 1) build_kernel(BuildArgs in, B
 //    path), written to consecutive slots after a block scan of the counts (one parent per
 //    thread and a one-barrier scan on levels of <= kBlock parents). tau rises (histogram
 //    select) when more than 2 * budget nodes live after a level, and at the end when more
-//    than budget do.
+//    than budget do. Where tau is fixed from the start (exact sums, a lower bound), a work
+//    queue builds the same pool without levels instead (queue_pool).
 // 3. The live nodes are ranked by the histogram's bins (a count within each bin in the
 //    contract's order), or, where a bin is crowded, sorted by score (bitonic, 64-bit order
 //    keys) with runs of equal scores put in rank-path order; the first budget form the tree
