@@ -883,13 +883,15 @@ __device__ __forceinline__ void idle_pause() {}  // __nanosleep(64) or (256): 0.
 // Returns the slots used, or 0 on abort (the pool past max_slots; the caller then builds by
 // levels). The pool is the set the levels build without rises: every node above tau whose product
 // of ranks + 1 is <= budget. H200, batch 64, us a launch over 300 back to back, against the levels
-// (same trees): budget 256 30.2 -> 23.5, 256 at T 0.5 39.9 -> 28.3, 512 32.9 -> 28.5, 1024 49.3
-// -> 44.5 (.diag/s17h.sh). On the way (each within ~0.5 us of layout noise): one 64-bit state
-// word (2.4x slower: compare-and-swap loops), a ticket per lane (a lane's pickup waited for its
-// warp's work), items of 2-8 children (0.8-2.4 us slower at 256), warps taking at most 4-16 items
-// (up to 16 us slower at 1024), __nanosleep for warps that find nothing (0.4-0.8 slower), the
-// limit by integer division (0.3-1.9 slower), a lane taking its first child itself instead of
-// publishing it (0.25 faster at 256, 0.7-1.0 slower at 512 / 1024).
+// (same trees; the phase harness built per variant, side by side): budget 256 30.2 -> 23.2, 256
+// at T 0.5 39.9 -> 28.1, 512 32.9 -> 28.5, 1024 49.3 -> 44.4. On the way (codegen alone moves
+// these by up to ~0.5 us): the first version, one 64-bit state word (a compare-and-swap loop
+// per update) and a ticket per lane (a lane's pickup waited for its warp's work), took 37.7k
+// cycles a request at budget 256 against 13.2k for the warps' runs and 32-bit counters (the two
+// changed together); items of 2 or 4 children (1.1-1.5 us slower at 256), warps taking at most
+// 16, 8 or 4 items (5, 18, 45 us slower at 1024), __nanosleep for warps that find nothing
+// (0.4-0.8 slower), the limit by integer division (0.3-1.9 slower), a lane taking its first child
+// itself instead of publishing it (at most 0.25 faster at 256, 0.8-0.9 slower at 512 / 1024).
 __device__ __forceinline__ unsigned long long queue_item(int parent, int rank, int depth) {
   return static_cast<unsigned long long>(parent) | static_cast<unsigned long long>(rank) << 16 |
          static_cast<unsigned long long>(depth) << 32 | 1ull << 62;
@@ -906,7 +908,7 @@ __device__ int queue_pool(const Staged* s_lp, int D, int K, int budget, double t
   // The root's children (prod(root) = 1), ranks j < min(K, budget) with lp[0][j] >= tau (a
   // prefix, c0 >= 1 since tau <= lp[0][0]): each thread tests its own j and publishes its item,
   // each warp counts its own into the slots (the counters were set before the caller's barrier).
-  // A galloping count on every thread instead was ~0.2 us slower at budget 256.
+  // (A galloping count on every thread and a second barrier measured the same within noise.)
   const int roots = min(K, budget);
   for (int i0 = 0; i0 < max_slots; i0 += kBlock) {  // block-uniform trips
     const int i = i0 + tid;
