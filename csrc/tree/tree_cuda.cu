@@ -648,7 +648,7 @@ struct BlockScalars {
   int lowest_bit;        // min over the log-probs of lowest_bit_exponent
   int flags;             // 1: a value not finite, 2: a row out of order
   unsigned long long bound_key;  // tau_lower_bound's best candidate
-  int q_head, q_slots, q_done, q_abort, q_finished;  // queue_pool: the queue's head, slots taken, items done, flags
+  int q_head, q_slots, q_done, q_finished;  // queue_pool: the queue's head, slots taken, items done, the end
 };
 // Dynamic shared memory a block may take: BlockScalars is static and counts against the 227 KB.
 constexpr size_t kBlockSharedLimit = 227 * 1024 - (sizeof(BlockScalars) + 15) / 16 * 16;
@@ -834,10 +834,8 @@ __device__ bool rise(const double* score, int count, double& tau, int& live, int
   return true;
 }
 
-// Exact sums: the children of a node scoring `base` whose scores base + row[j] are >= tau, among
-// j < limit: a prefix, since rows descend. Galloping (probes 0, 1, 3, 7, ..., then a binary
-// search between the last two), since most live parents have few children.
-// count_prefix(limit, holds): the j < limit for which holds(j), a prefix.
+// The number of j < limit for which holds(j), a prefix. Galloping (probes 0, 1, 3, 7, ..., then a
+// binary search between the last two), since most live parents have few children.
 template <typename Holds>
 __device__ __forceinline__ int count_prefix(int limit, Holds holds) {
   int a = 0, z = limit;
@@ -853,6 +851,8 @@ __device__ __forceinline__ int count_prefix(int limit, Holds holds) {
   }
   return a;
 }
+// Exact sums: the children of a node scoring `base` whose scores base + row[j] are >= tau, among
+// j < limit (a prefix, since rows descend).
 template <typename Staged>
 __device__ __forceinline__ int count_at_least(const Staged* row, double base, double tau, int limit) {
   return count_prefix(limit, [&](int j) { return base + static_cast<double>(row[j]) >= tau; });
@@ -880,8 +880,8 @@ __device__ __forceinline__ void idle_pause() {}  // __nanosleep(64) or (256): 0.
 // adds the node to the grid (off the chain: the shared atomic would hold up the publish's fence).
 // A warp takes the run of published items at the queue's head, up to one per lane, and processes
 // them side by side. Counters are 32-bit (64-bit shared atomics are compare-and-swap loops).
-// Returns the slots used, or 0 on abort (the pool past max_slots; the caller then builds by
-// levels). The pool is the set the levels build without rises: every node above tau whose product
+// Returns the slots used, or 0 on abort (a reservation took the slots past max_slots, which
+// the count then shows; the caller builds by levels). The pool is the set the levels build without rises: every node above tau whose product
 // of ranks + 1 is <= budget. H200, batch 64, us a launch over 300 back to back, against the levels
 // (same trees; the phase harness built per variant, side by side): budget 256 30.2 -> 23.2, 256
 // at T 0.5 39.9 -> 28.1, 512 32.9 -> 28.5, 1024 49.3 -> 44.4. On the way (codegen alone moves
@@ -939,8 +939,7 @@ __device__ int queue_pool(const Staged* s_lp, int D, int K, int budget, double t
     if (c > 0) {
       const int kids = atomicAdd(&sh.q_slots, c);
       if (kids + c > max_slots) {
-        publish_int(&sh.q_abort, 1);
-        publish_int(&sh.q_finished, 1);
+        publish_int(&sh.q_finished, 1);  // abort
       } else {
         __threadfence_block();  // this node's record before the items that read it
         for (int k = 0; k < c; ++k) publish_word(&queue[kids + k - 1], queue_item(slot, k, d + 1));
@@ -977,7 +976,7 @@ __device__ int queue_pool(const Staged* s_lp, int D, int K, int budget, double t
     idle_pause();
   }
   __syncthreads();
-  return sh.q_abort ? 0 : sh.q_slots;  // (never written again)
+  return sh.q_slots > max_slots ? 0 : sh.q_slots;  // (never written again)
 }
 
 // A lower bound on tau, the budget-th best score, before any level is built (session 15), so
@@ -1307,7 +1306,6 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
       sh.q_head = 0;  // queue_pool's counters: the root's slot taken
       sh.q_slots = 1;
       sh.q_done = 0;
-      sh.q_abort = 0;
       sh.q_finished = 0;
     }
     __syncthreads();

@@ -189,7 +189,6 @@ inline int atomicCAS(int* p, int compare, int v) {
   std::atomic_ref<int>(*p).compare_exchange_strong(compare, v);
   return compare;
 }
-inline bool __all_sync(unsigned, bool p) { return emu::ballot(p) == 0xFFFFFFFFu; }
 inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 // queue_pool's polled words: atomic in C++ terms (a plain load would be a data race).
 inline unsigned long long poll_word(const unsigned long long* p) {
