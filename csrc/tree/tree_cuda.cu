@@ -673,18 +673,34 @@ __device__ __forceinline__ int lowest_bit_exponent(float v) {
   return m == 0 ? 1 << 20 : e - 151 + __ffs(static_cast<int>(m));
 }
 
-// Warp-wide min / max, so a block's shared atomics take one update per warp.
+// Warp-wide min / max, so a block's shared atomics take one update per warp. 32-bit integers
+// take one redux instruction, wider types five shuffle rounds.
 template <typename T>
 __device__ __forceinline__ T warp_min(T v) {
+  if constexpr (std::is_same_v<T, int> || std::is_same_v<T, unsigned>) {
+    return __reduce_min_sync(kFullMask, v);
+  } else {
 #pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) v = min(v, __shfl_xor_sync(kFullMask, v, o));
-  return v;
+    for (int o = kWarp / 2; o > 0; o /= 2) v = min(v, __shfl_xor_sync(kFullMask, v, o));
+    return v;
+  }
 }
 template <typename T>
 __device__ __forceinline__ T warp_max(T v) {
+  if constexpr (std::is_same_v<T, int> || std::is_same_v<T, unsigned>) {
+    return __reduce_max_sync(kFullMask, v);
+  } else {
 #pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) v = max(v, __shfl_xor_sync(kFullMask, v, o));
-  return v;
+    for (int o = kWarp / 2; o > 0; o /= 2) v = max(v, __shfl_xor_sync(kFullMask, v, o));
+    return v;
+  }
+}
+// The warp's largest x rounded down to a float: a lower bound on it by one redux (for the bound
+// on tau, where 2^-24 of a score is far below what matters).
+__device__ __forceinline__ double warp_max_down(double x) {
+  const unsigned bits = __float_as_uint(__double2float_rd(x));
+  const unsigned m = warp_max((bits >> 31) ? ~bits : (bits | 0x80000000u));  // floats in order
+  return static_cast<double>(__uint_as_float((m >> 31) ? (m & 0x7FFFFFFFu) : ~m));
 }
 
 // Inclusive prefix sum of v over the warp (lane: this thread's lane).
@@ -991,19 +1007,26 @@ __device__ int queue_pool(const Staged* s_lp, int D, int K, int budget, double t
 // A * J paths 0^a j (a < A, j < J) all score >= min_a Z_a + lp[a][J - 1]; the best A is taken.
 // On drafter-like rows (random_topk, budget 256) the levels then hold 1.1-1.5x the budget
 // (max 1.7x at temperature 0.25) instead of rising from -inf. Float counts are exact below 2^24,
-// far above any budget; larger ones only need to read as >= budget. Rounding is covered by the
-// factors 1 +- 2^-40 and a final margin; the verification decides in the end anyway. Returns
-// -inf (no bound) when fewer than budget such paths exist. Block-uniform.
+// far above any budget; larger ones only need to read as >= budget. Rounding always errs low:
+// bins are computed in float rounded up, lb and the best candidate are rounded down to floats
+// (a few 1e-7 of a score), and the factors 1 +- 2^-40 and a final margin cover the doubles; the
+// verification decides in the end anyway. Returns -inf (no bound) when fewer than budget such
+// paths exist. Block-uniform.
 // Where the time goes: every part is one or two dependent passes spread over warps (session 16:
 // lb on four warps and the counts on two took budget 256 from 32.1 to 31.0 us, 512 from 36.5 to
-// 35.6; lb on all eight warps alike, or the bins by a warp per row over the ranks, were slower).
+// 35.6; lb on all eight warps alike was slower). Session 18, cycles per request at budget 256
+// (clock64, tid 0): the bins 2.4k -> 1.5k (branch-free float passes over the ranks instead of a
+// binary search per bin; the same passes in double with branches took 4.2k), the candidates
+// 2.3k -> 1.7k (integer offsets instead of a double product per depth), the warp maxima one
+// redux each; the bound 8.7k -> 7.2k. Preloading the next row's bins in the convolution chain
+// was 0.2-0.7 us slower.
 // Scratch: Z (33 doubles, 34 taken so that Fs is 16-byte aligned), the rows' bin counts as floats
 // behind kWarp zeros each (so that G[v - u] for u > v reads 0), the counts by depth (first lb's
-// partial minima), and two warps' densities.
+// partial minima), two warps' densities, and the candidates' offsets (bytes).
 constexpr int kChainSlots = kMaxDepth + 2;
 constexpr int kBoundMinBudget = 192;  // smaller budgets start tau at -inf
-constexpr size_t kBoundScratch =
-    sizeof(double) * kChainSlots + sizeof(float) * (2 * kMaxDepth * kWarp + kMaxDepth * kWarp + 2 * kWarp);
+constexpr size_t kBoundScratch = sizeof(double) * kChainSlots +
+                                 sizeof(float) * (2 * kMaxDepth * kWarp + kMaxDepth * kWarp + 2 * kWarp) + kMaxDepth * kWarp;
 static_assert(kBoundScratch <= sizeof(double) * kMinPool, "tau_lower_bound's scratch is the pool's scores");
 template <typename Staged>
 __device__ double tau_lower_bound(const Staged* s_lp, int D, int K, int budget, unsigned char* scratch,
@@ -1037,34 +1060,81 @@ __device__ double tau_lower_bound(const Staged* s_lp, int D, int K, int budget, 
     lb_part[warp * kWarp + lane] = rows_enough ? bound : -INFINITY;
   }
   __syncthreads();
-  const double lb = warp_max(fmin(fmin(lb_part[lane], lb_part[kWarp + lane]),
+  const double lb = warp_max_down(fmin(fmin(lb_part[lane], lb_part[kWarp + lane]),
                                   fmin(lb_part[2 * kWarp + lane], lb_part[3 * kWarp + lane])));
   const double top = Z[1];
   const unsigned above = __ballot_sync(kFullMask, lane < D && Z[lane + 1] >= lb);
   const int depths = above == kFullMask ? kWarp : __ffs(~above) - 1;  // depths 1..n at or above lb
   if (!(lb > -INFINITY) || !(top - lb > 0.0)) return lb - 0x1p-40 * (fabs(lb) + fabs(top));  // block-uniform
-  const double width = (top - lb) / kWarp, up = (1.0 + 0x1p-40) / width, down = (1.0 - 0x1p-40) / width;
-  // Row d's ranks in bins <= v: a prefix (costs grow with the rank); bin(c) <= v iff c <= 0 or
-  // c * up < v, with bin(c) = floor(c * up) + 1 for c > 0. Two searches at a time, interleaved.
-  auto in_bins = [&](int i, int n) {
-    const Staged* row = s_lp + (i / kWarp) * K;
-    const double c = static_cast<double>(row[0]) - static_cast<double>(row[n - 1]);
-    return c <= 0.0 || c * up < static_cast<double>(i % kWarp);
-  };
-  for (int i = tid; i < depths * kWarp; i += 2 * kBlock) {
-    const int i2 = i + kBlock;
-    const bool two = i2 < depths * kWarp;
-    int n = 0, n2 = 0;
-    for (int step = pow2_at_most(K); step > 0; step /= 2) {
-      if (n + step <= K && in_bins(i, n + step)) n += step;
-      if (two && n2 + step <= K && in_bins(i2, n2 + step)) n2 += step;
+  const double width = (top - lb) / kWarp, per_width = 1.0 / width;
+  const double up = (1.0 + 0x1p-40) * per_width, down = (1.0 - 0x1p-40) * per_width;
+  // Row d's ranks in bins <= v: a prefix (costs grow with the rank), bin(c) = 0 for c <= 0, else
+  // floor(c * up) + 1 (kWarp: past the grid). A warp bins two rows at once, 8 chunks of 32 ranks
+  // each at a time, branch-free, every load in flight together. Where the bin steps up from rank
+  // r to r + 1, rank r + 1 is the count of bins bin(r) .. bin(r + 1) - 1: it is written at bin(r)
+  // (rank 0 costs 0, so bin 0 gets one) and a max-scan over the bins fills the rest. Passes stop
+  // at the first rank past the grid. Binned in float, rounded so that no rank bins lower than
+  // its exact cost (staged log-probs are floats, exactly). (A binary search per bin took 2.4k
+  // cycles at budget 256: 8 dependent steps.)
+  const float up_f = __double2float_ru(up);
+  constexpr int kRows = 2, kChunks = 8, kWarps = kBlock / kWarp;
+  for (int d = warp; d < depths; d += kRows * kWarps) {
+    const Staged* row[kRows];
+    float row0[kRows];
+    float* G[kRows];
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) {
+      const int dq = d + q * kWarps < depths ? d + q * kWarps : d;  // (a lone row is binned twice alike)
+      row[q] = s_lp + dq * K;
+      row0[q] = static_cast<float>(row[q][0]);
+      G[q] = gpad + dq * 2 * kWarp + kWarp;
+      G[q][lane - kWarp] = 0.0f;
+      G[q][lane] = 0.0f;
     }
-    gpad[(i / kWarp) * 2 * kWarp + i % kWarp] = 0.0f;
-    gpad[(i / kWarp) * 2 * kWarp + kWarp + i % kWarp] = static_cast<float>(n);
-    if (two) {
-      gpad[(i2 / kWarp) * 2 * kWarp + i2 % kWarp] = 0.0f;
-      gpad[(i2 / kWarp) * 2 * kWarp + kWarp + i2 % kWarp] = static_cast<float>(n2);
+    auto bin_at = [&](int q, int r) {
+      const float c = __fsub_ru(row0[q], static_cast<float>(row[q][min(r, K - 1)]));
+      const float x = fminf(__fmul_ru(c, up_f), kWarp - 1.0f);
+      const int b = static_cast<int>(__float_as_uint(__fadd_rd(x, 0x1p23f)) - 0x4B000000u) + 1;  // floor(x) + 1
+      return r >= K ? kWarp : (c > 0.0f ? b : 0);
+    };
+    __syncwarp();
+    for (int r0 = 0; r0 < K; r0 += kChunks * kWarp) {
+      int b[kRows][kChunks], after[kRows];
+#pragma unroll
+      for (int q = 0; q < kRows; ++q) {
+#pragma unroll
+        for (int j = 0; j < kChunks; ++j) b[q][j] = bin_at(q, r0 + j * kWarp + lane);
+        after[q] = bin_at(q, r0 + kChunks * kWarp);
+      }
+#pragma unroll
+      for (int q = 0; q < kRows; ++q) {
+#pragma unroll
+        for (int j = 0; j < kChunks; ++j) {
+          const int below = __shfl_down_sync(kFullMask, b[q][j], 1);
+          const int wrap = j + 1 < kChunks ? __shfl_sync(kFullMask, b[q][(j + 1) % kChunks], 0) : after[q];
+          if ((lane == kWarp - 1 ? wrap : below) > b[q][j]) G[q][b[q][j]] = static_cast<float>(r0 + j * kWarp + lane + 1);
+        }
+      }
+      if (min(after[0], after[1]) >= kWarp) break;  // warp-uniform: every later rank is past the grid
     }
+    __syncwarp();
+    float g[kRows];
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) g[q] = G[q][lane];
+#pragma unroll
+    for (int o = 1; o < kWarp; o *= 2) {
+#pragma unroll
+      for (int q = 0; q < kRows; ++q) g[q] = fmaxf(g[q], __shfl_up_sync(kFullMask, g[q], o));  // (lanes < o: with itself)
+    }
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) G[q][lane] = g[q];
+  }
+  // The candidates' offsets (below): steps[d'][d] = floor((Z_{d+1} - Z_{d'+1}) / w), clamped to
+  // [-kWarp, kWarp] (beyond it the count reads 0 or the last bin either way).
+  signed char* steps = reinterpret_cast<signed char*>(Fs + 2 * kWarp);
+  for (int dc = warp; dc < depths; dc += kBlock / kWarp) {
+    const double e = floor((Z[lane + 1] - Z[dc + 1]) * down);  // (lanes >= depths: unused)
+    steps[dc * kWarp + lane] = static_cast<signed char>(fmax(fmin(e, static_cast<double>(kWarp)), -static_cast<double>(kWarp)));
   }
   __syncthreads();
   // The counts: cum[d] cumulates P_d = g_0 * ... * g_d (densities, * the convolution). Two
@@ -1104,21 +1174,24 @@ __device__ double tau_lower_bound(const Staged* s_lp, int D, int K, int budget, 
   __syncthreads();
   for (int d = h + warp; d < depths; d += kBlock / kWarp) cum[d * kWarp + lane] = convolve(Fs, d);
   __syncthreads();
-  // The candidates: t just below Z_d - k * w, where depth d's count steps; the best t whose
-  // count reaches the budget.
+  // The candidates: t = Z_{d'} - k * w, where depth d' 's count steps; the best t whose count
+  // reaches the budget. Depth d's paths binned at most floor((Z_d - t) / w) = steps[d'][d] + k
+  // score >= t (up to rounding, which the final margin covers).
   double best = lb;
   for (int i = tid; i < depths * kWarp; i += kBlock) {
-    const double t = Z[1 + i / kWarp] - static_cast<double>(i % kWarp) * width * (1.0 + 0x1p-38);
+    const int k = i % kWarp;
+    const double t = Z[1 + i / kWarp] - static_cast<double>(k) * width;
     if (!(t > best)) continue;
+    const signed char* step = steps + (i / kWarp) * kWarp;
     float count = 0.0f;
 #pragma unroll 4
     for (int d = 0; d < depths; ++d) {
-      const double r = (Z[d + 1] - t) * down;
-      count += r >= 0.0 ? cum[d * kWarp + static_cast<int>(fmin(r, kWarp - 1.0))] : 0.0f;
+      const int v = step[d] + k;
+      count += v >= 0 ? cum[d * kWarp + min(v, kWarp - 1)] : 0.0f;
     }
     if (count >= static_cast<float>(budget)) best = t;
   }
-  const unsigned long long k = warp_max(order_key(best));
+  const unsigned long long k = order_key(warp_max_down(best));
   if (lane == 0) atomicMax(&sh.bound_key, k);
   __syncthreads();
   const double t = key_double(sh.bound_key);

@@ -167,6 +167,12 @@ inline T __shfl_up_sync(unsigned, T v, unsigned delta) {
   return lane >= static_cast<int>(delta) ? r : v;
 }
 template <typename T>
+inline T __shfl_down_sync(unsigned, T v, unsigned delta) {
+  const int lane = emu::tid % emu::kWarpSize;
+  const T r = emu::shfl(v, lane + static_cast<int>(delta));
+  return lane + static_cast<int>(delta) < emu::kWarpSize ? r : v;
+}
+template <typename T>
 inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
   return emu::shfl(v, (emu::tid % emu::kWarpSize) ^ lane_mask);
 }
@@ -179,6 +185,31 @@ inline long long __double_as_longlong(double x) { return emu::from_bits<long lon
 inline double __longlong_as_double(long long x) { return emu::from_bits<double>(emu::to_bits(x)); }
 inline unsigned __float_as_uint(float x) { return emu::from_bits<unsigned>(emu::to_bits(x)); }
 inline float __uint_as_float(unsigned x) { return emu::from_bits<float>(emu::to_bits(x)); }
+// Directed rounding: the double result (exact for these operands but where a sum spans more than
+// 29 binades) rounded to float upward or downward.
+inline float float_up(double x) {
+  const float r = static_cast<float>(x);
+  return static_cast<double>(r) < x ? std::nextafter(r, INFINITY) : r;
+}
+inline float float_down(double x) {
+  const float r = static_cast<float>(x);
+  return static_cast<double>(r) > x ? std::nextafter(r, -INFINITY) : r;
+}
+inline float __fsub_ru(float a, float b) { return float_up(static_cast<double>(a) - b); }
+inline float __fmul_ru(float a, float b) { return float_up(static_cast<double>(a) * b); }
+inline float __fadd_rd(float a, float b) { return float_down(static_cast<double>(a) + b); }
+inline float __double2float_ru(double x) { return float_up(x); }
+inline float __double2float_rd(double x) { return float_down(x); }
+template <typename T>
+inline T __reduce_max_sync(unsigned, T v) {
+  for (int o = emu::kWarpSize / 2; o > 0; o /= 2) v = std::max(v, __shfl_xor_sync(0u, v, o));
+  return v;
+}
+template <typename T>
+inline T __reduce_min_sync(unsigned, T v) {
+  for (int o = emu::kWarpSize / 2; o > 0; o /= 2) v = std::min(v, __shfl_xor_sync(0u, v, o));
+  return v;
+}
 inline int atomicAdd(int* p, int v) { return emu::atomic_add(p, v); }
 inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v) { return emu::atomic_min(p, v); }
 inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v) { return emu::atomic_max(p, v); }
