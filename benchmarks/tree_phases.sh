@@ -4,7 +4,7 @@
 # Needs nvcc and a GPU; builds a standalone harness from csrc (not the Python extension).
 #   bash benchmarks/tree_phases.sh [BUDGET...]      (default 16 64 256; batch 64, D 16, K = budget)
 # Phases of the block kernel: 0 staging and checks, 1 level counts and scan, 2 level writes,
-# 3 threshold: the lower bound on tau (budgets >= 192) and the rises, 4 candidates, 5 rank (by bins, or the sort), 6 verification, 7 fallback loop, 8 outputs,
+# 3 threshold: the lower bound on tau (budgets >= 128) and the rises, 4 candidates, 5 rank (by bins, or the sort), 6 verification, 7 fallback loop, 8 outputs,
 # 9 the pool by the work queue (queue_pool: exact sums with a bound; it replaces phases 1 and 2);
 # of the warp kernel: 10 staging, 11 pop loop, 12 outputs.
 set -euo pipefail

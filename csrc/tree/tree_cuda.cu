@@ -1024,7 +1024,7 @@ __device__ int queue_pool(const Staged* s_lp, int D, int K, int budget, double t
 // behind kWarp zeros each (so that G[v - u] for u > v reads 0), the counts by depth (first lb's
 // partial minima), two warps' densities, and the candidates' offsets (bytes).
 constexpr int kChainSlots = kMaxDepth + 2;
-constexpr int kBoundMinBudget = 192;  // smaller budgets start tau at -inf
+constexpr int kBoundMinBudget = 128;  // smaller budgets start tau at -inf (the warp kernel's anyway)
 constexpr size_t kBoundScratch = sizeof(double) * kChainSlots +
                                  sizeof(float) * (2 * kMaxDepth * kWarp + kMaxDepth * kWarp + 2 * kWarp) + kMaxDepth * kWarp;
 static_assert(kBoundScratch <= sizeof(double) * kMinPool, "tau_lower_bound's scratch is the pool's scores");
@@ -1353,8 +1353,9 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
   int n = 0;
   bool fallback = false;
   if (status == kOk) {
-    // tau starts at a lower bound on the budget-th best score from budget kBoundMinBudget on (below
-    // it the bound cost more than it saved: budget 128 25.6 -> 27.3 us at batch 64); the pool's
+    // tau starts at a lower bound on the budget-th best score from budget kBoundMinBudget on (at
+    // first from 192: budget 128 went 25.6 -> 27.3 us at batch 64 with it; since session 18's
+    // cheaper bound, 24.8 -> 17.9 us, and 160 25.9 -> 17.9, 300 launches back to back); the pool's
     // scores are its scratch (a launch's capacity C is >= kMinPool; the emulation's small ones go without).
     sh.hist[tid] = 0;  // (the bound's barriers order this before the grid's first use)
     double tau = C >= kMinPool && budget >= kBoundMinBudget ? tau_lower_bound(s_lp, D, K, budget, reinterpret_cast<unsigned char*>(p_score), sh)
