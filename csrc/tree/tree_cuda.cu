@@ -1174,9 +1174,9 @@ __device__ double tau_lower_bound(const Staged* s_lp, int D, int K, int budget, 
   __syncthreads();
   for (int d = h + warp; d < depths; d += kBlock / kWarp) cum[d * kWarp + lane] = convolve(Fs, d);
   __syncthreads();
-  // The candidates: t = Z_{d'} - k * w, where depth d' 's count steps; the best t whose count
-  // reaches the budget. Depth d's paths binned at most floor((Z_d - t) / w) = steps[d'][d] + k
-  // score >= t (up to rounding, which the final margin covers).
+  // The candidates: t = Z_{d'} - k * w, the points where depth d' 's count steps; the best t
+  // whose count reaches the budget. Depth d's paths with binned costs <= floor((Z_d - t) / w) =
+  // steps[d'][d] + k score >= t (up to rounding, which the final margin covers).
   double best = lb;
   for (int i = tid; i < depths * kWarp; i += kBlock) {
     const int k = i % kWarp;
