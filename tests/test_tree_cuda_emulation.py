@@ -39,6 +39,10 @@ def test_emulated_cuda_build_matches_cpu_backend(emulator, seed):
     assert fast > 0, run.stdout  # the parallel path ran, not only the fallback
     queued = int(run.stdout.split("pools by the queue: ")[1].split(" built")[0])
     assert queued > 0, run.stdout  # case 2 (drafter-like, budget 256) builds its pool by the work queue
+    # Every lower bound on tau the block kernel took was at most the budget-th best score (the
+    # emulator checks each against a heap walk; a bound above it would exit 1 above).
+    bounds = int(run.stdout.split("bounds on tau: ")[1].split(" checked")[0])
+    assert bounds > 0, run.stdout
 
 
 @pytest.mark.parametrize("seed", [2])

@@ -13,6 +13,7 @@
 #define DDTREE_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #define DDTREE_BLOCK_PATH(fallback, exact)  // the emulation counts the block kernel's paths
 #define DDTREE_QUEUE_PATH(used)  // ... and queue_pool's outcomes
+#define DDTREE_BOUND(tau)  // ... and checks tau_lower_bound against the exact budget-th score
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 // The lane and its bit from the special registers, through volatile asm: nvcc otherwise recomputes
 // them from the thread index (an S2R, ~20 cycles) inside the pop loop instead of keeping a register.
@@ -1360,6 +1361,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
     sh.hist[tid] = 0;  // (the bound's barriers order this before the grid's first use)
     double tau = C >= kMinPool && budget >= kBoundMinBudget ? tau_lower_bound(s_lp, D, K, budget, reinterpret_cast<unsigned char*>(p_score), sh)
                                : -INFINITY;
+    if (tid == 0) DDTREE_BOUND(tau);
     // With a bound the threshold grid is laid at once over [tau, lp[0][0]] (every score but
     // positive log-probs' lies below lp[0][0]; those land in the top bin), and every node joins
     // it as it is written: the final rise is then a scan of the bins.

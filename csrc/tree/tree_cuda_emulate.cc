@@ -1,7 +1,8 @@
 // Runs the CUDA build kernels of tree_cuda.cu as plain host C++ (one std::thread per CUDA
 // thread, barriers for __syncthreads / __syncwarp, exchange buffers for shuffles and ballots)
 // and compares every output with the C++ backend (tree_cpu.cpp, itself equal to the Python
-// oracle). For machines without a GPU; tests/test_tree_cuda_emulation.py builds and runs it:
+// oracle), and every lower bound on tau the block kernel takes against the exact budget-th best
+// score. For machines without a GPU; tests/test_tree_cuda_emulation.py builds and runs it:
 //
 //   g++ -std=c++20 -O1 -pthread -I csrc csrc/tree/tree_cuda_emulate.cc csrc/tree/tree_cpu.cpp
 //   ./a.out CASES SEED          # prints "ok ..." or the first mismatch, exit status 1
@@ -19,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <queue>
 #include <random>
 #include <string>
 #include <thread>
@@ -32,6 +34,7 @@ struct Dim {
 thread_local int tid = 0, bid = 0;
 std::atomic<int> path_count[3];  // block kernel requests: fast path (exact sums, chains), fallback
 std::atomic<int> queue_count[2];  // queue_pool: pools built, aborted
+std::vector<double> bounds;       // tau_lower_bound's result per block (NaN: the bound did not run)
 struct Block {
   int threads = 0;
   std::unique_ptr<std::barrier<>> block_barrier;
@@ -144,6 +147,7 @@ void launch(int grid, int threads, size_t smem_bytes, F kernel) {
 #define threadIdx (::emu::thread_idx())
 #define DDTREE_BLOCK_PATH(fallback, exact) (::emu::path_count[(fallback) ? 2 : ((exact) ? 0 : 1)] += 1)
 #define DDTREE_QUEUE_PATH(used) (::emu::queue_count[(used) > 0 ? 0 : 1] += 1)
+#define DDTREE_BOUND(tau) (::emu::bounds[::emu::bid] = (tau))
 #define blockIdx (::emu::block_idx())
 struct float4 {
   float x, y, z, w;
@@ -353,6 +357,7 @@ tree::BuildArgs args_of(const Case& c) {
 
 template <int M, typename Staged>
 void run_block(const Case& c, Result& r, int capacity) {
+  emu::bounds.assign(c.batch, NAN);
   const auto in = args_of(c);
   const auto out = r.outputs();
   const tree::BlockShared layout(c.depth, c.topk, c.budget, capacity, sizeof(Staged));
@@ -383,6 +388,48 @@ void run_warp_rows(const Case& c, Result& r) {
   if (rows <= 1) run_warp<1>(c, r);
   else if (rows <= 4) run_warp<4>(c, r);
   else run_warp<16>(c, r);
+}
+
+// The budget-th best score of request b, by the contract's heap walk on scores alone (the same
+// float64 operations, so the same values as the tree's nodes); NaN when fewer nodes exist.
+double budget_th_score(const Case& c, int b) {
+  const int D = c.depth, K = c.topk, budget = c.budgets.empty() ? c.budget : c.budgets[b];
+  const float* lp = c.lp.data() + static_cast<size_t>(b) * D * K;
+  struct Item {
+    double score;
+    int depth, rank;
+    bool operator<(const Item& o) const { return score < o.score; }
+  };
+  std::priority_queue<Item> heap;
+  heap.push({static_cast<double>(lp[0]), 1, 0});
+  for (int n = 1; !heap.empty(); ++n) {
+    const Item it = heap.top();
+    heap.pop();
+    if (n == budget) return it.score;
+    const float* row = lp + (it.depth - 1) * K;
+    if (it.rank + 1 < K) heap.push({it.score - row[it.rank] + row[it.rank + 1], it.depth, it.rank + 1});
+    if (it.depth < D) heap.push({it.score + row[K], it.depth + 1, 0});
+  }
+  return NAN;
+}
+
+// tau_lower_bound must never exceed the budget-th best score (a bound above it would make the
+// pool miss nodes; the verification would catch that, so the trees alone do not show it).
+// Returns the requests checked, or -1 (printed) on a bound above the score.
+int check_bounds(const Case& c, const Result& got, int index) {
+  int checked = 0;
+  for (int b = 0; b < c.batch; ++b) {
+    const double bound = emu::bounds[b];
+    if (!(bound > -INFINITY) || got.status[b] != 0) continue;  // no bound (NaN or -inf), or a bad request
+    const double tau = budget_th_score(c, b);
+    if (bound > tau || std::isnan(tau)) {
+      std::printf("BOUND ABOVE TAU case %d request %d kind %s D %d K %d budget %d: bound %.17g, tau %.17g\n",
+                  index, b, c.kind.c_str(), c.depth, c.topk, c.budget, bound, tau);
+      return -1;
+    }
+    ++checked;
+  }
+  return checked;
 }
 
 void print_mismatch(const char* which, int i, const Case& c, const Result& got, const Result& want) {
@@ -425,9 +472,12 @@ int run_file(char** argv) {
     print_mismatch("block", 0, c, got, want);
     return 1;
   }
-  std::printf("ok %d trees; block kernel: %d fast, %d fallback; pools by the queue: %d built, %d aborted\n", c.batch,
-              emu::path_count[0].load() + emu::path_count[1].load(), emu::path_count[2].load(),
-              emu::queue_count[0].load(), emu::queue_count[1].load());
+  const int bounds = check_bounds(c, got, 0);
+  if (bounds < 0) return 1;
+  std::printf("ok %d trees; block kernel: %d fast, %d fallback; pools by the queue: %d built, %d aborted; "
+              "bounds on tau: %d checked\n",
+              c.batch, emu::path_count[0].load() + emu::path_count[1].load(), emu::path_count[2].load(),
+              emu::queue_count[0].load(), emu::queue_count[1].load(), bounds);
   return 0;
 }
 
@@ -437,7 +487,7 @@ int main(int argc, char** argv) {
   const unsigned seed = argc > 2 ? std::atoi(argv[2]) : 1;
   const std::string mode = argc > 3 ? argv[3] : "both";
   std::mt19937_64 rng(seed);
-  int checked = 0, warp_checked = 0;
+  int checked = 0, warp_checked = 0, bounds_checked = 0;
   for (int i = 0; i < cases; ++i) {
     const Case c = make_case(rng, i);
     Result want(c);
@@ -455,6 +505,9 @@ int main(int argc, char** argv) {
           print_mismatch("block kernel", i, c, block, want);
           return 1;
         }
+        const int bounds = check_bounds(c, block, i);
+        if (bounds < 0) return 1;
+        bounds_checked += bounds;
         checked += c.batch;
       }
     }
@@ -469,9 +522,9 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("ok %d cases, %d trees (block kernel), %d trees (warp kernel); block kernel: %d fast (%d of them on "
-              "chains), %d fallback; pools by the queue: %d built, %d aborted\n",
+              "chains), %d fallback; pools by the queue: %d built, %d aborted; bounds on tau: %d checked\n",
               cases, checked, warp_checked, emu::path_count[0].load() + emu::path_count[1].load(),
               emu::path_count[1].load(), emu::path_count[2].load(), emu::queue_count[0].load(),
-              emu::queue_count[1].load());
+              emu::queue_count[1].load(), bounds_checked);
   return 0;
 }
