@@ -440,6 +440,16 @@ void print_mismatch(const char* which, int i, const Case& c, const Result& got, 
                 want.status[b]);
 }
 
+// The block kernel's trees against the cpu backend's, then its bounds on tau: the bounds checked,
+// or -1 (printed) on either failure.
+int check_block(const Case& c, const Result& got, const Result& want, int index) {
+  if (!(got == want)) {
+    print_mismatch("block kernel", index, c, got, want);
+    return -1;
+  }
+  return check_bounds(c, got, index);
+}
+
 // ./a.out CASES SEED [both|warp]: "both" (default) runs the block kernel on every case and the
 // warp kernel on every other one (budgets <= 256, and larger ones now and then); "warp" runs only
 // the warp kernel, on every case.
@@ -468,11 +478,7 @@ int run_file(char** argv) {
   Result want(c), got(c);
   tree::build_trees_cpu(args_of(c), want.outputs(), 1);
   run_block_rows<double>(c, got, tree::block_capacity<double>(c.depth, c.topk, c.budget));
-  if (!(got == want)) {
-    print_mismatch("block", 0, c, got, want);
-    return 1;
-  }
-  const int bounds = check_bounds(c, got, 0);
+  const int bounds = check_block(c, got, want, 0);
   if (bounds < 0) return 1;
   std::printf("ok %d trees; block kernel: %d fast, %d fallback; pools by the queue: %d built, %d aborted; "
               "bounds on tau: %d checked\n",
@@ -501,11 +507,7 @@ int main(int argc, char** argv) {
       if (capacity > 0) {
         if (i % 7 == 3) capacity = std::min(capacity, 64 + static_cast<int>(rng() % 512));
         as_float ? run_block_rows<float>(c, block, capacity) : run_block_rows<double>(c, block, capacity);
-        if (!(block == want)) {
-          print_mismatch("block kernel", i, c, block, want);
-          return 1;
-        }
-        const int bounds = check_bounds(c, block, i);
+        const int bounds = check_block(c, block, want, i);
         if (bounds < 0) return 1;
         bounds_checked += bounds;
         checked += c.batch;
