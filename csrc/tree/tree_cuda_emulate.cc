@@ -232,6 +232,7 @@ inline unsigned long long poll_word(const unsigned long long* p) {
 inline int poll_int(const int* p) { return std::atomic_ref<int>(*const_cast<int*>(p)).load(); }
 inline void publish_word(unsigned long long* p, unsigned long long v) { std::atomic_ref<unsigned long long>(*p).store(v); }
 inline void publish_int(int* p, int v) { std::atomic_ref<int>(*p).store(v); }
+inline void publish_score(double* p, double v) { std::atomic_ref<double>(*p).store(v); }
 inline void idle_pause() { std::this_thread::yield(); }  // 256 threads on a few cores make progress
 inline void prefetch_l1(const void*) {}
 inline int lane_id() { return emu::tid % emu::kWarpSize; }
