@@ -1412,9 +1412,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
     }
     if (exact && first_level == 1) {  // level 1 needs no scan: the root's children are ranks 0..c-1 (prod(root) = 1)
       const int c0 = min(K, budget);  // C >= kMinPool > c0
-      int c = 0;  // those above tau, a prefix: every thread searches alike
-      for (int step = pow2_at_most(c0); step > 0; step /= 2)
-        if (c + step <= c0 && 0.0 + static_cast<double>(s_lp[c + step - 1]) >= tau) c += step;
+      const int c = count_at_least(s_lp, 0.0, tau, c0);  // those above tau: every thread counts alike
       for (int j = tid; j < c; j += kBlock) {
         const double sc = 0.0 + static_cast<double>(s_lp[j]);  // the general path's operation
         p_score[1 + j] = sc;
