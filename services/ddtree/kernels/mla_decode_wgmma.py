@@ -24,7 +24,7 @@ from triton.runtime.jit import constexpr_function
 
 from .mla_verify_wgmma import _load_kv_tile, _load_q, _rows_layout, _split_tiles, _zero_rows_from, compile_sm90
 
-# (BLOCK_N, STAGES): wgmma M is the key tile, so 64 keys. 3 stages fit only at 8 rows (231.6 KB of 227 KB)
+# (BLOCK_N, STAGES): wgmma M is the key tile, so 64 keys. 3 stages fit only at 8 rows (226.1 of 227 KiB)
 # and measured slower there (H200, graph replay, 2026-12-01: B 16 at 8k 45.8 -> 47.7 us, B 64 at 1k 29.5 -> 30.9);
 # 1 stage, two programs an SM, was slower too (B 16 at 8k 46.0 -> 55.5, B 64 at 1k 29.7 -> 34.2).
 DECODE_TILE = (64, 2)
