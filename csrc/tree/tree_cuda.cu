@@ -904,9 +904,10 @@ __device__ __forceinline__ void idle_pause() {}  // __nanosleep(64) or (256): 0.
 // A warp takes the run of published items at the queue's head, up to one per lane, and processes
 // them side by side. Counters are 32-bit (64-bit shared atomics are compare-and-swap loops).
 // Returns the slots used, or 0 on abort (a reservation took the slots past max_slots, which
-// the count then shows; the caller builds by levels). The pool is the set the levels build without rises: every node above tau whose product
-// of ranks + 1 is <= budget. H200, batch 64, us a launch over 300 back to back, against the levels
-// (same trees; the phase harness built per variant, side by side): budget 256 30.2 -> 23.2, 256
+// the count then shows; the caller builds by levels). The pool is the set the levels build
+// without rises: every node above tau whose product of ranks + 1 is <= budget. H200, batch 64,
+// us a launch over 300 back to back, against the levels (same trees; the phase harness built per
+// variant, side by side): budget 256 30.2 -> 23.2, 256
 // at T 0.5 39.9 -> 28.1, 512 32.9 -> 28.5, 1024 49.3 -> 44.4. On the way (codegen alone moves
 // these by up to ~0.5 us): the first version, one 64-bit state word (a compare-and-swap loop
 // per update) and a ticket per lane (a lane's pickup waited for its warp's work), took 37.7k
@@ -924,8 +925,8 @@ __device__ __forceinline__ unsigned long long queue_item(int parent, int rank, i
 }
 template <typename Staged>
 __device__ int queue_pool(const Staged* s_lp, int D, int K, int budget, double tau, const Grid& grid, double* p_score,
-                          int16_t* p_prefix, int16_t* p_rank, int16_t* p_prod, int8_t* p_depth,
-                          unsigned long long* queue, int C, BlockScalars& sh) {
+                          int16_t* p_prefix, int16_t* p_rank, int8_t* p_depth, unsigned long long* queue, int C,
+                          BlockScalars& sh) {
   const int tid = threadIdx.x, lane = tid % kWarp;
   // A pool past kCandidateFactor * budget means a weak bound: the levels, which raise tau as
   // they go, take over (the emulator's adversarial rows went to 5,700 slots at budget 256). The
@@ -954,8 +955,7 @@ __device__ int queue_pool(const Staged* s_lp, int D, int K, int budget, double t
     publish_score(&p_score[slot], sc);  // its children's lanes read it
     p_prefix[slot] = static_cast<int16_t>(p);
     p_rank[slot] = static_cast<int16_t>(j);
-    p_prod[slot] = static_cast<int16_t>(prod);
-    p_depth[slot] = static_cast<int8_t>(d);
+    p_depth[slot] = static_cast<int8_t>(d);  // (products are only the levels' and ride in the items here)
     // Its children: the product bound (j + 1) * prod <= budget tested per probe (an integer
     // division for the limit instead was 0.3-1.9 us slower at budget 256).
     const Staged* kids_row = row + K;
@@ -1397,7 +1397,7 @@ __global__ void __launch_bounds__(kBlock) block_build_kernel(BuildArgs in, Build
     int count = 1, lo = 0, hi = 1, live = 0;
     int first_level = 1;
     if (exact && grid.on) {  // tau is fixed: the pool by the work queue, else (on abort) by levels
-      const int used = queue_pool(s_lp, D, K, budget, tau, grid, p_score, p_prefix, p_rank, p_prod, p_depth,
+      const int used = queue_pool(s_lp, D, K, budget, tau, grid, p_score, p_prefix, p_rank, p_depth,
                                   reinterpret_cast<unsigned long long*>(c_score), C, sh);
       DDTREE_PHASE(9);
       if (tid == 0) DDTREE_QUEUE_PATH(used);
