@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         table = "\n".join(format_row(r) for r in sorted(rows, key=lambda r: (r["heads"], r["nodes"], r["batch"], r["prefix"])))
         props = torch.cuda.get_device_properties(0)
         import triton
-        text = (f"\nTree-verify MLA attention (the dispatcher's kernel: wgmma or triton), bf16, latent 512 + rope 64, page {PAGE}; median device time (CUDA events)\n"
+        text = (f"\nTree-verify MLA attention (the dispatcher's kernel: cluster, wgmma or triton), bf16, latent 512 + rope 64, page {PAGE}; median device time (CUDA events)\n"
                 f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}\n"
                 f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
                 f"command: python benchmarks/bench_verify_attn.py {' '.join(argv if argv is not None else sys.argv[1:])}\n"
@@ -530,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
                 "(mask%_g: the same under CUDA-graph replay, free of host noise);\n"
                 "xref: torch reference time over kernel time (nan: reference skipped, > 4 GB);\n"
                 "kernel: what the model's dispatcher runs (wgmma on sm_90 since 2026-11-30, for any rows; until then >= 64 rows;\n"
-                "wgmmaT: its transposed kernel for <= 16 rows per request, since session 11);\n"
+                "wgmmaT: its transposed kernel for <= 16 rows per request, since session 11;\n"
+                "cluster: the CUDA C++ cluster kernel for trees in <= 2 row blocks, since session 20);\n"
                 "triton_us: the Triton kernel on the same inputs, same run; xtriton = triton_us / us;\n"
                 "graph_us: the dispatcher's kernel under CUDA-graph replay (no host gaps between its kernel and\n"
                 "merge launches), %mm_g / %copy_g against the same (eager) ceilings\n"

@@ -1,6 +1,7 @@
-"""Which verify-attention implementation runs: the Hopper wgmma kernel on sm_90 (any rows per
-request), the Triton kernel where it applies, else torch. DDTREE_VERIFY_ATTN=torch forces the
-reference, =triton the Triton kernel (A/B comparisons, debugging)."""
+"""Which verify-attention implementation runs: on sm_90 the cluster kernel (CUDA C++) for trees
+with few row blocks and the Hopper wgmma kernel (Gluon) for the rest, the Triton kernel where
+those do not apply, else torch. DDTREE_VERIFY_ATTN=torch forces the reference, =triton the Triton
+kernel, =wgmma the Gluon kernel for every row count (A/B comparisons, debugging)."""
 from __future__ import annotations
 
 import functools
@@ -11,6 +12,8 @@ from collections.abc import Callable
 import torch
 
 from .validate import kernel_dims_supported
+
+CLUSTER_MAX_ROW_BLOCKS = 2  # H200, graph replay, 2026-12-01: see cluster_verify_wanted
 
 
 @functools.cache
@@ -53,16 +56,35 @@ def _wgmma_supported_fn():
     return wgmma_verify_supported
 
 
+def cluster_verify_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, batch: int,
+                          rows_per_request: int) -> bool:
+    """For inputs the wgmma kernel takes: True where the cluster kernel (CUDA C++) serves them
+    instead: trees of more than FEW_ROWS rows in at most CLUSTER_MAX_ROW_BLOCKS row blocks over
+    the batch (B 1 trees of up to 128 rows, whose many splits it reduces on chip), unless
+    DDTREE_VERIFY_ATTN=wgmma. H200, graph replay, 2026-12-01, against the Gluon kernel: 1 x 16 x
+    h 8 at 1k / 8k / 32k 15.8 / 20.4 / 35.0 us against 16.0 / 21.3 / 36.0; 4 row blocks even
+    (1 x 16 x h 16 at 8k 24.4 against 24.5), 8 and more slower (1 x 64 x h 8 at 8k 34.5 / 32.3)."""
+    from .mla_verify_wgmma import BLOCK_M, FEW_ROWS
+    if (os.environ.get("DDTREE_VERIFY_ATTN", "auto") == "wgmma" or rows_per_request <= FEW_ROWS
+            or batch * -(-rows_per_request // BLOCK_M) > CLUSTER_MAX_ROW_BLOCKS):
+        return False
+    from .mla_verify_cluster import cluster_verify_supported
+    return cluster_verify_supported(q_latent, q_rope, cache, rows_per_request)
+
+
 def verify_kernel(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                   mask: torch.Tensor) -> tuple[str, Callable] | None:
-    """The kernel models.mla_attention.mla_verify_attention runs for these inputs: ("wgmma", fn),
-    ("triton", fn), or None for the torch reference. Inputs of a wrong rank go to the Triton
-    kernel, whose validation says what is wrong."""
+    """The kernel models.mla_attention.mla_verify_attention runs for these inputs: ("cluster",
+    fn), ("wgmma", fn), ("triton", fn), or None for the torch reference. Inputs of a wrong rank go
+    to the Triton kernel, whose validation says what is wrong."""
     if not triton_verify_supported(q_latent, q_rope, cache):
         return None
     shaped = isinstance(mask, torch.Tensor) and mask.dim() == 3 and q_latent.dim() == 3
     rows_per_request = mask.shape[1] * q_latent.shape[1] if shaped else 0
     if wgmma_verify_wanted(q_latent, q_rope, cache, rows_per_request):
+        if cluster_verify_wanted(q_latent, q_rope, cache, mask.shape[0], rows_per_request):
+            from .mla_verify_cluster import mla_verify_attention_cluster
+            return "cluster", mla_verify_attention_cluster
         from .mla_verify_wgmma import mla_verify_attention_wgmma
         return "wgmma", mla_verify_attention_wgmma
     from .mla_verify_triton import mla_verify_attention_triton

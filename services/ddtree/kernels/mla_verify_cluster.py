@@ -1,0 +1,127 @@
+"""Tree-verify MLA attention on Hopper thread-block clusters: the CUDA C++ kernel of
+csrc/attn/mla_verify_cluster.cu (ddtree._C.mla_verify_cluster).
+
+The row-block scheme of mla_verify_wgmma (64 query rows a CTA, two warpgroups, TMA-fed wgmma),
+but the CTAs that split one row block's KV range form a cluster and reduce their partial outputs
+over distributed shared memory: one fp32 partial per cluster goes to global memory and the merge
+launch, instead of one per CTA. That is the traffic that holds B 1 trees (docs/verify_attention.md).
+Same contract as mla_verify_attention_wgmma; sm_90, C 512, R 64, a head count dividing 64.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from .mla_verify_triton import _LOG2E, merge_splits
+from .mla_verify_wgmma import BLOCK_M, MIN_SPLIT_KEYS, wgmma_verify_supported
+from .validate import check_verify_inputs, check_verify_values
+
+CLUSTERS = (1, 2, 4, 8)  # CTAs per cluster the extension is built for (8: the portable maximum)
+MIN_CLUSTERS_PER_ROW_BLOCK = 4  # fewer, larger clusters leave SMs idle (a cluster's CTAs share a GPC)
+
+
+def _native():
+    from ddtree.native import load
+    return load()
+
+
+def _cuda_kernels_built() -> bool:
+    from ddtree.native import cuda_kernels_built
+    return cuda_kernels_built()
+
+
+def cluster_verify_supported(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                             rows_per_request: int) -> bool:
+    """wgmma_verify_supported's inputs whose head count divides 64 (a row block is whole tokens:
+    Q comes by one TMA box of 64 / h tokens x h heads), with 16-byte aligned Q rows and heads,
+    in an extension built with its CUDA kernels."""
+    heads = q_latent.shape[1] if q_latent.dim() == 3 else 0
+    return (heads >= 1 and 64 % heads == 0 and q_rope.dim() == 3
+            and wgmma_verify_supported(q_latent, q_rope, cache, rows_per_request)
+            and all(x.stride(2) == 1 and (x.stride(0) * 2) % 16 == 0 and (x.stride(1) * 2) % 16 == 0
+                    and x.data_ptr() % 16 == 0 for x in (q_latent, q_rope))
+            and _cuda_kernels_built())
+
+
+@functools.cache
+def max_active_clusters(device_index: int, cluster: int) -> int:
+    """Clusters of `cluster` CTAs that run at once on the device (one CTA per SM, a cluster within
+    one GPC: on the H200's 132 SMs fewer than 132 / cluster for 4 and 8)."""
+    with torch.cuda.device(device_index):
+        return _native().mla_verify_cluster_max_active(cluster)
+
+
+def cluster_config(rows_per_request: int, batch: int, max_kv_len: int, device_index: int,
+                   cluster: int | None = None) -> tuple[int, int]:
+    """(splits, cluster): the largest cluster of which at least MIN_CLUSTERS_PER_ROW_BLOCK run per
+    row block in one wave (or the cluster given), as many of them as run, each split at least
+    MIN_SPLIT_KEYS keys; else single CTAs filling the SMs once (the wgmma kernel's rule).
+    H200, graph replay, 2026-12-01: 2 row blocks (1 x 16 x h 8) 8k 20.4 us at (56, 8), 21.6 at
+    (60, 4), 27.6 at (64, 1); 4 row blocks 24.4 at (28, 4), 25.9 at (24, 8); 8 row blocks
+    34.5 at (16, 2), 35.4 at (12, 4), 41.4 at (8, 8)."""
+    programs = batch * triton.cdiv(rows_per_request, BLOCK_M)
+    max_splits = max(1, max(max_kv_len, 1) // MIN_SPLIT_KEYS)
+    for c in ([cluster] if cluster else [c for c in CLUSTERS if c > 1][::-1]):
+        per_block = min(max_active_clusters(device_index, c) // programs, max_splits // c)
+        if per_block >= 1 and (cluster or max_active_clusters(device_index, c) // programs >= MIN_CLUSTERS_PER_ROW_BLOCK):
+            return per_block * c, c
+    return max(1, min(max_active_clusters(device_index, 1) // programs, max_splits)), 1
+
+
+def mla_verify_attention_cluster(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    mask: torch.Tensor,
+    softmax_scale: float,
+    *,
+    config: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    check_values: bool = False,
+    tail_mask: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as mla_verify_triton.mla_verify_attention_triton, for inputs that
+    `cluster_verify_supported` accepts (ValueError otherwise). config: (splits, cluster), default
+    `cluster_config`; cluster in CLUSTERS and dividing splits. More than one cluster per row block
+    writes one fp32 partial per cluster, merged by a second launch (merge_splits)."""
+    b, t, heads, c, r = check_verify_inputs(q_latent, q_rope, cache, block_table, prefix_lens, mask, out, lse)
+    if not cluster_verify_supported(q_latent, q_rope, cache, t * heads):
+        raise ValueError(f"the cluster kernel needs sm_90, C 512, R 64, a head count dividing 64, 16-byte aligned "
+                         f"Q rows and packed pages of a power-of-two size >= 16; got {q_latent.device}, C {c}, R {r}, "
+                         f"h {heads}, cache {tuple(cache.shape)} strides {cache.stride()}")
+    if check_values:
+        check_verify_values(cache, block_table, prefix_lens, t)
+    rows, device = b * t, q_latent.device
+    out = torch.empty(rows, heads, c, dtype=q_latent.dtype, device=device) if out is None else out
+    lse = torch.empty(rows, heads, dtype=torch.float32, device=device) if lse is None else lse
+    if config is None:
+        config = cluster_config(t * heads, b, block_table.shape[1] * cache.shape[1], device.index or 0)
+    splits, cluster = config
+    if cluster not in CLUSTERS or splits < 1 or splits % cluster:
+        raise ValueError(f"config (splits, cluster) needs cluster in {CLUSTERS} dividing splits; got {config}")
+    if out.stride(2) != 1 or lse.stride(1) != 1:
+        raise ValueError("out and lse must be contiguous in their last dim")
+    mask64 = (mask.view(torch.int64) if mask.dtype == torch.uint64 else mask).contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    prefix = prefix_lens.to(torch.int64).contiguous()
+    clusters = splits // cluster
+    o_part = lse_part = None
+    if clusters > 1:
+        o_part = torch.empty(clusters, rows * heads, c, dtype=torch.float32, device=device)
+        lse_part = torch.empty(clusters, rows * heads, dtype=torch.float32, device=device)
+    strides = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(1),
+               table.stride(0), out.stride(0), out.stride(1), lse.stride(0))
+    _native().mla_verify_cluster(
+        q_latent.data_ptr(), q_rope.data_ptr(), cache.data_ptr(), table.data_ptr(), prefix.data_ptr(),
+        mask64.data_ptr(), out.data_ptr(), lse.data_ptr(), 0 if o_part is None else o_part.data_ptr(),
+        0 if lse_part is None else lse_part.data_ptr(), strides, b, t, heads, mask64.shape[-1], cache.shape[1],
+        table.shape[1], cache.shape[0], splits, cluster, softmax_scale * _LOG2E, tail_mask,
+        torch.cuda.current_stream(device).cuda_stream)
+    if clusters > 1:
+        merge_splits(o_part, lse_part, out, lse, heads)
+    return out, lse
