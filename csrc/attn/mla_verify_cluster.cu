@@ -53,8 +53,8 @@ __device__ __forceinline__ void bar_expect(uint32_t bar, uint32_t bytes) {
 __device__ __forceinline__ void bar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
-// One arrival per warp, after the whole warp's prior writes: warpgroup handshakes count 4. (An
-// arrival per thread, 128 a barrier, cost ~1 us a tile in arrivals: 2026-12-01, H200.)
+// One arrival per warp, after the whole warp's prior writes: warpgroup handshakes count 4 (as
+// fast as an arrival per thread, measured on the H200; fewer barrier transactions).
 __device__ __forceinline__ void warp_arrive(uint32_t bar) {
   __syncwarp();
   if (threadIdx.x % 32 == 0) bar_arrive(bar);
@@ -201,6 +201,10 @@ __device__ __forceinline__ float fast_exp2(float x) {  // 2^x; -inf -> 0 (as the
 
 // Which of the 64 keys of `tile` row m sees, as bits: the prefix, then the tree tail through the
 // row's ancestor bitmask (all of it when !tail_mask), nothing past the sequence. Tail tiles only.
+// One window per row and a shift per score keep the loop small. The first version (a branch and a
+// load per score, descriptors rebuilt per wgmma, exp2f's denormal path) spent ~3,300 cycles a
+// tile on the scores and ~2,300 on the softmax (clock64, H200); with those changed together the
+// kernel runs at the Gluon kernel's speed (docs/verify_attention.md, session 20).
 __device__ __forceinline__ uint64_t visible_keys(const VerifyClusterArgs& a, const uint64_t* mask_row, bool row_ok,
                                                  int tile, int prefix, int kv_len) {
   const int first = tile * kBlockN - prefix;  // the tile's first key, relative to the tail (>= -63)
