@@ -162,3 +162,11 @@ def test_model_path_runs_the_cluster_kernel():
     out, _ = mla_verify_attention(*inputs, 0.1)
     want, _ = mla_verify_attention_reference(*[x.double() if x.is_floating_point() else x for x in inputs], 0.1)
     assert (out.double() - want).norm() / want.norm() <= 1e-2
+
+
+@gpu
+def test_misaligned_out_is_a_value_error():
+    inputs = inputs_for([70], 8, 8, 16, "chain", 1)
+    wide = torch.empty(8, 8, 514, dtype=torch.bfloat16, device="cuda")[..., 1:513]  # 2-byte aligned rows
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        kernel()(*inputs, 0.1, out=wide)

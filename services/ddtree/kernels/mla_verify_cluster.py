@@ -28,8 +28,12 @@ def _native():
 
 
 def _cuda_kernels_built() -> bool:
+    """Whether ddtree._C holds its CUDA kernels (False when the extension is not built at all)."""
     from ddtree.native import cuda_kernels_built
-    return cuda_kernels_built()
+    try:
+        return cuda_kernels_built()
+    except ImportError:
+        return False
 
 
 def cluster_verify_supported(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
@@ -56,8 +60,9 @@ def max_active_clusters(device_index: int, cluster: int) -> int:
 def cluster_config(rows_per_request: int, batch: int, max_kv_len: int, device_index: int,
                    cluster: int | None = None) -> tuple[int, int]:
     """(splits, cluster): the largest cluster of which at least MIN_CLUSTERS_PER_ROW_BLOCK run per
-    row block in one wave (or the cluster given), as many of them as run, each split at least
-    MIN_SPLIT_KEYS keys; else single CTAs filling the SMs once (the wgmma kernel's rule).
+    row block in one wave (or the cluster given, if one of its clusters per row block fits), as
+    many of them as run, each split at least MIN_SPLIT_KEYS keys; else single CTAs filling the SMs
+    once (the wgmma kernel's rule).
     H200, graph replay, 2026-12-01: 2 row blocks (1 x 16 x h 8) 8k 20.4 us at (56, 8), 21.6 at
     (60, 4), 27.6 at (64, 1); 4 row blocks 24.4 at (28, 4), 25.9 at (24, 8); 8 row blocks
     34.5 at (16, 2), 35.4 at (12, 4), 41.4 at (8, 8)."""
@@ -104,8 +109,9 @@ def mla_verify_attention_cluster(
     splits, cluster = config
     if cluster not in CLUSTERS or splits < 1 or splits % cluster:
         raise ValueError(f"config (splits, cluster) needs cluster in {CLUSTERS} dividing splits; got {config}")
-    if out.stride(2) != 1 or lse.stride(1) != 1:
-        raise ValueError("out and lse must be contiguous in their last dim")
+    if out.stride(2) != 1 or out.stride(0) % 4 or out.stride(1) % 4 or out.data_ptr() % 8 or lse.stride(1) != 1:
+        raise ValueError(f"out needs its last dim contiguous and 8-byte aligned rows and heads (strides "
+                         f"{out.stride()}), lse its last dim contiguous (strides {lse.stride()})")
     mask64 = (mask.view(torch.int64) if mask.dtype == torch.uint64 else mask).contiguous()
     table = block_table.to(torch.int32).contiguous()
     prefix = prefix_lens.to(torch.int64).contiguous()
