@@ -141,12 +141,12 @@ def test_cache_growth_and_cropping_equal_recomputing(tmp_path):
     model.draft_logits(cache, ["x"], [f[9:9]], [6], [9])     # no new features: same context
     incremental = model.draft_logits(cache, ["x"], [g], [1], [12])  # starts at 6 < 9: crops, then rewrites
     fresh = model.draft_logits(new_cache(model), ["x"], [torch.cat([f[:6], g])], [1], [12])
-    torch.testing.assert_close(incremental, fresh, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(incremental, fresh, rtol=1e-4, atol=1e-5)  # float32, other summation orders
     # Explicit crop, then regrow across page boundaries.
     cache.crop("x", 3)
     assert cache.length("x") == 3 and cache.free_pages == 12 - 1
     regrown = model.draft_logits(cache, ["x"], [f[3:14]], [0], [14])
-    torch.testing.assert_close(regrown, model.draft_logits(new_cache(model), ["x"], [f[:14]], [0], [14]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(regrown, model.draft_logits(new_cache(model), ["x"], [f[:14]], [0], [14]), rtol=1e-4, atol=1e-5)
     assert cache.release("x") and not cache.release("x") and cache.free_pages == 12
 
 
