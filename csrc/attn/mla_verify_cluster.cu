@@ -114,7 +114,7 @@ __device__ __forceinline__ float4 ld_peer4(uint32_t addr) {
   return v;
 }
 
-// --- wgmma (m64n64k16, bf16 in, fp32 accumulators) ---
+// --- wgmma (m64n64k16 scores, m64n256k16 values; bf16 in, fp32 accumulators) ---
 // Operand descriptor of a 128-byte swizzled tile whose 8-row atoms are 1024 bytes apart (the
 // stride byte offset). K-major operands (Q, K, P) span one atom in K per instruction, so the
 // leading byte offset is unused; the N-major values span four 64-column chunks in N, 8 KB apart.
