@@ -430,6 +430,28 @@ def run_variants(args) -> None:
                   f"{flops / us / 1e6:7.1f} TFLOP/s {nbytes / us / 1e3:6.0f} GB/s{tag}", flush=True)
 
 
+def run_clusters(args) -> None:
+    """The Gluon kernel against the cluster kernel at each cluster size's config, side by side
+    under graph replay (B 1 trees by default; --shapes for others), as in docs/verify_attention.md."""
+    from ddtree.kernels.mla_verify_cluster import cluster_config, mla_verify_attention_cluster
+    from ddtree.kernels.mla_verify_wgmma import mla_verify_attention_wgmma
+    shapes = args.shapes or [(1, 16, 8, p) for p in (1024, 8192, 32768)] + [(1, 16, 16, 8192), (1, 64, 8, 8192)]
+    work = Workload(max(s[0] for s in shapes), max(s[3] for s in shapes), max(s[1] for s in shapes))
+    gen = torch.Generator().manual_seed(0)
+    scale = (C + R) ** -0.5
+    for batch, nodes, heads, prefix in shapes:
+        inputs = work.case(batch, nodes, heads, prefix, gen)
+        kv_bound = inputs[3].shape[1] * PAGE
+        configs = [cluster_config(nodes * heads, batch, kv_bound, 0)]
+        configs += [cluster_config(nodes * heads, batch, kv_bound, 0, cluster=c) for c in (1, 2, 4, 8)]
+        line = (f"clusters b={batch} n={nodes} h={heads} p={prefix}: wgmma "
+                f"{graph_us(lambda: mla_verify_attention_wgmma(*inputs, scale)):.1f} us")
+        for cfg in dict.fromkeys(configs):
+            us = graph_us(lambda: mla_verify_attention_cluster(*inputs, scale, config=cfg))
+            line += f" | {cfg}{' (default)' if cfg == configs[0] else ''} {us:.1f}"
+        emit(args, line)
+
+
 def ptxas_usage(ptxas: str, ptx: str) -> list[str]:
     """ptxas -v's register and spill lines for one kernel's PTX, assembled for sm_90a."""
     with tempfile.TemporaryDirectory() as d:
@@ -490,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resources", action="store_true")
     parser.add_argument("--decode", action="store_true", help="decode shapes: new vs old config, eager and graph")
     parser.add_argument("--sweep", action="store_true", help="decode configs under graph replay vs the model")
+    parser.add_argument("--clusters", action="store_true",
+                        help="the Gluon kernel against the cluster kernel's configs, graph replay (B 1 trees)")
     parser.add_argument("--shapes", type=parse_shapes, default=None,
                         help="grid rows for these BxNODESxHxPREFIX shapes only (comma-separated)")
     parser.add_argument("--text", type=Path, default=None, help="also append the decode/sweep/shapes lines here")
@@ -502,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.variants:
         run_variants(args)
+        return 0
+    if args.clusters:
+        run_clusters(args)
         return 0
     def append(text: str) -> None:
         if args.text:
