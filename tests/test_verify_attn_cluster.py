@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.models.mla_attention import causal_bitmask
-from verify_attn_inputs import check_against_reference, make_inputs, tree_mask
+from verify_attn_inputs import check_against_reference, poison_invisible_rows
+from verify_attn_inputs import hopper_inputs as inputs_for
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 C, R = 512, 64
@@ -21,13 +21,6 @@ gpu = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 def kernel():
     from ddtree.kernels.mla_verify_cluster import mla_verify_attention_cluster
     return mla_verify_attention_cluster
-
-
-def inputs_for(prefixes, tail, heads, page_size, kind, seed, device="cuda"):
-    gen = torch.Generator().manual_seed(seed)
-    b = len(prefixes)
-    mask = tree_mask(b, tail - 1, gen) if kind == "tree" else causal_bitmask(tail).expand(b, -1, -1).contiguous()
-    return make_inputs(prefixes, tail, heads, page_size, mask, gen, c=C, r=R, device=device, dtype=torch.bfloat16)
 
 
 # Trees of 16 and 64 tokens and 8-chains at h 8 and 16 (128-1024 rows a request), B 1 and ragged B 3.
@@ -68,11 +61,7 @@ def test_rows_past_the_sequence_never_leak(page_size):
     q_latent, q_rope, cache, table, prefix, mask = inputs_for(prefixes, 16, 8, page_size, "tree", 5)
     want, want_lse = mla_verify_attention_reference(q_latent.double(), q_rope.double(), cache.double(), table,
                                                     prefix, mask, 0.1)
-    keep = torch.zeros(cache.shape[:2], dtype=torch.bool, device=cache.device)
-    for b, p in enumerate(prefixes):
-        pos = torch.arange(p + 16, device=cache.device)
-        keep[table[b, pos // page_size].long(), pos % page_size] = True
-    poisoned = torch.where(keep[..., None], cache, torch.full_like(cache, float("nan")))
+    poisoned = poison_invisible_rows(cache, table, prefixes, 16, page_size)
     for config in ((1, 1), (8, 4), (16, 8)):
         got, got_lse = kernel()(q_latent, q_rope, poisoned, table, prefix, mask, 0.1, config=config)
         assert got.isfinite().all() and got_lse.isfinite().all()

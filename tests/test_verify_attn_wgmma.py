@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from ddtree.models.mla_attention import causal_bitmask  # noqa: E402
-from verify_attn_inputs import check_against_reference, make_inputs, tree_mask  # noqa: E402
+from verify_attn_inputs import check_against_reference, poison_invisible_rows  # noqa: E402
+from verify_attn_inputs import hopper_inputs as inputs_for  # noqa: E402
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 C, R = 512, 64
@@ -22,13 +22,6 @@ gpu = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 def kernel():
     from ddtree.kernels.mla_verify_wgmma import mla_verify_attention_wgmma
     return mla_verify_attention_wgmma
-
-
-def inputs_for(prefixes, tail, heads, page_size, kind, seed):
-    gen = torch.Generator().manual_seed(seed)
-    b = len(prefixes)
-    mask = tree_mask(b, tail - 1, gen) if kind == "tree" else causal_bitmask(tail).expand(b, -1, -1).contiguous()
-    return make_inputs(prefixes, tail, heads, page_size, mask, gen, c=C, r=R, device="cuda", dtype=torch.bfloat16)
 
 
 # The issue grid's cases: decode (1 token: 8 or 16 rows), chains of 2 and 8, trees of 4, 64 and 256 tokens,
@@ -90,11 +83,7 @@ def test_rows_past_the_sequence_never_leak(page_size, tail, heads):
     q_latent, q_rope, cache, table, prefix, mask = inputs_for(prefixes, tail, heads, page_size, kind, 5)
     want, want_lse = mla_verify_attention_reference(q_latent.double(), q_rope.double(), cache.double(), table,
                                                     prefix, mask, 0.1)
-    keep = torch.zeros(cache.shape[:2], dtype=torch.bool, device=cache.device)
-    for b, p in enumerate(prefixes):
-        pos = torch.arange(p + tail, device=cache.device)
-        keep[table[b, pos // page_size].long(), pos % page_size] = True
-    poisoned = torch.where(keep[..., None], cache, torch.full_like(cache, float("nan")))
+    poisoned = poison_invisible_rows(cache, table, prefixes, tail, page_size)
     for config in ((64, 2, 1), (64, 2, 3), (32, 4, 1), (32, 4, 3)):
         got, got_lse = kernel()(q_latent, q_rope, poisoned, table, prefix, mask, 0.1, config=config)
         assert got.isfinite().all() and got_lse.isfinite().all()

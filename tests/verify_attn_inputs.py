@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.models.mla_attention import mla_verify_attention_reference
+from ddtree.models.mla_attention import causal_bitmask, mla_verify_attention_reference
 from ddtree.tree import build_trees
 from ddtree.tree.samples import random_topk
 
@@ -34,6 +34,26 @@ def make_inputs(prefixes: list[int], tail: int, heads: int, page_size: int, mask
     dev = lambda x: x.to(device, dtype)  # noqa: E731
     return (dev(q_latent), dev(q_rope), dev(cache), table.to(device),
             torch.tensor(prefixes, dtype=torch.int64, device=device), mask.to(device))
+
+
+def hopper_inputs(prefixes: list[int], tail: int, heads: int, page_size: int, kind: str, seed: int,
+                  device: str = "cuda"):
+    """make_inputs at DeepSeek-V3's widths (C 512, R 64, bf16): a real tree's mask for kind
+    "tree", a causal chain otherwise. The Hopper kernels' tests share it."""
+    gen = torch.Generator().manual_seed(seed)
+    b = len(prefixes)
+    mask = tree_mask(b, tail - 1, gen) if kind == "tree" else causal_bitmask(tail).expand(b, -1, -1).contiguous()
+    return make_inputs(prefixes, tail, heads, page_size, mask, gen, c=512, r=64, device=device, dtype=torch.bfloat16)
+
+
+def poison_invisible_rows(cache: torch.Tensor, table: torch.Tensor, prefixes: list[int], tail: int,
+                          page_size: int) -> torch.Tensor:
+    """A copy of the cache with every row that is not one of the requests' keys set to NaN."""
+    keep = torch.zeros(cache.shape[:2], dtype=torch.bool, device=cache.device)
+    for b, p in enumerate(prefixes):
+        pos = torch.arange(p + tail, device=cache.device)
+        keep[table[b, pos // page_size].long(), pos % page_size] = True
+    return torch.where(keep[..., None], cache, torch.full_like(cache, float("nan")))
 
 
 def check_against_reference(kernel, inputs, scale: float, **kwargs) -> None:

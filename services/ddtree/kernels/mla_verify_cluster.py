@@ -16,7 +16,7 @@ import triton
 
 from .mla_verify_triton import _LOG2E, merge_splits
 from .mla_verify_wgmma import BLOCK_M, MIN_SPLIT_KEYS, wgmma_verify_supported
-from .validate import check_verify_inputs, check_verify_values
+from .validate import check_verify_inputs, check_verify_values, verify_outputs
 
 CLUSTERS = (1, 2, 4, 8)  # CTAs per cluster the extension is built for (8: the portable maximum)
 MIN_CLUSTERS_PER_ROW_BLOCK = 4  # fewer, larger clusters leave SMs idle (a cluster's CTAs share a GPC)
@@ -102,8 +102,7 @@ def mla_verify_attention_cluster(
     if check_values:
         check_verify_values(cache, block_table, prefix_lens, t)
     rows, device = b * t, q_latent.device
-    out = torch.empty(rows, heads, c, dtype=q_latent.dtype, device=device) if out is None else out
-    lse = torch.empty(rows, heads, dtype=torch.float32, device=device) if lse is None else lse
+    out, lse = verify_outputs(q_latent, rows, heads, c, out, lse)
     if config is None:
         config = cluster_config(t * heads, b, block_table.shape[1] * cache.shape[1], device.index or 0)
     splits, cluster = config

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .validate import check_verify_inputs, check_verify_values
+from .validate import check_verify_inputs, check_verify_values, verify_outputs
 
 _LOG2E = 1.4426950408889634
 # Scalars that vary from call to call but do not shape the code's vector accesses (those are
@@ -425,10 +425,7 @@ def mla_verify_attention_triton(
         check_verify_values(cache, block_table, prefix_lens, t)
     rows = b * t
     device = q_latent.device
-    if out is None:
-        out = torch.empty(rows, heads, c, dtype=q_latent.dtype, device=device)
-    if lse is None:
-        lse = torch.empty(rows, heads, dtype=torch.float32, device=device)
+    out, lse = verify_outputs(q_latent, rows, heads, c, out, lse)
     if rows == 0:
         return out, lse
     if config is None:

@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma, warpgroup_mma_wait)
 
 from .mla_verify_triton import _LOG2E, _num_sms, merge_splits
-from .validate import check_verify_inputs, check_verify_values
+from .validate import check_verify_inputs, check_verify_values, verify_outputs
 
 BLOCK_M = 64  # rows of one program: one wgmma M tile
 TILE = (64, 2)  # (BLOCK_N, STAGES): m64n64 scores, 2 tiles in flight (3 do not fit in 227 KB). (32, 4),
@@ -433,8 +433,7 @@ def mla_verify_attention_wgmma(
     if check_values:
         check_verify_values(cache, block_table, prefix_lens, t)
     rows, device = b * t, q_latent.device
-    out = torch.empty(rows, heads, c, dtype=q_latent.dtype, device=device) if out is None else out
-    lse = torch.empty(rows, heads, dtype=torch.float32, device=device) if lse is None else lse
+    out, lse = verify_outputs(q_latent, rows, heads, c, out, lse)
     if config is None:
         config = wgmma_config(t * heads, b, block_table.shape[1] * cache.shape[1], _num_sms(device.index or 0))
     block_n, stages, splits = config

@@ -1,5 +1,6 @@
 """Checks before a verify-attention launch: every bad shape, dtype or device is a ValueError here,
-so the kernel only ever sees inputs it can index safely (it also clamps table reads)."""
+so the kernel only ever sees inputs it can index safely (it also clamps table reads). Also the
+outputs every kernel entry allocates when the caller passes none."""
 from __future__ import annotations
 
 import torch
@@ -82,3 +83,14 @@ def check_verify_values(cache, block_table, prefix_lens, tail: int) -> None:
         used = table[i, :n]
         if ((used < 0) | (used >= cache.shape[0])).any():
             raise ValueError(f"block_table row {i} names pages outside the cache's {cache.shape[0]}")
+
+
+def verify_outputs(q_latent: torch.Tensor, rows: int, heads: int, c: int, out: torch.Tensor | None,
+                   lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [rows, heads, c] in q's dtype and lse [rows, heads] float32 on q's device, unless given
+    (check_verify_inputs has checked given ones)."""
+    if out is None:
+        out = torch.empty(rows, heads, c, dtype=q_latent.dtype, device=q_latent.device)
+    if lse is None:
+        lse = torch.empty(rows, heads, dtype=torch.float32, device=q_latent.device)
+    return out, lse
