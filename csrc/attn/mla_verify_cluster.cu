@@ -12,7 +12,13 @@
 // a cluster barrier CTA k reduces rows [k * 64 / cluster, (k + 1) * 64 / cluster) over all of them
 // through distributed shared memory. Only one partial per cluster reaches global memory (or the
 // final bf16 output, when one cluster covers the whole range), where the Gluon kernel writes and
-// merges one 128 KB fp32 partial per CTA: at B 1 those partials are half the L2 traffic.
+// merges one 128 KB fp32 partial per CTA: at B 1 those partials are half the L2 traffic. Q, the
+// same for the whole cluster, is multicast: each CTA loads about 1 / cluster of it for all.
+//
+// Where a B 1 tree's time goes (1 x 16 x h 8 at 8k, (56, 8), per-CTA globaltimer stamps, medians
+// from the first CTA's start): Q 1.7 us, first KV tile 2.7, loop end 7.9 (1.77 us a tile), staged
+// and cluster-synced 10.6, reduced over the cluster 14.8, last CTA out 16.1; then the merge. The
+// epilogue is half of it, bound by moving 128 KB of fp32 per CTA (docs/verify_attention.md).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -81,6 +87,14 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
       "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                                      uint32_t bar, uint16_t ctas) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(dst),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(ctas)
       : "memory");
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
@@ -269,13 +283,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     bar_init(bar(kPFree), 4);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
-  if (tid == 128 && lo < hi) {  // Q (rows past the request: its neighbour's, or zeros by TMA), then tile lo
+  // Q is the same for the whole cluster: CTA k loads the 64-column chunks j = k (mod cluster) and
+  // multicasts each to every CTA, so L2 serves it once per cluster, not once per CTA. A peer's
+  // chunk may land before this CTA's expect-tx (the phase waits for that arrival as well), but
+  // not before its barriers exist: hence the cluster barrier after their init.
+  if constexpr (kCluster > 1) cluster_sync(); else __syncthreads();
+  if (tid == 128) {  // Q (rows past the request: its neighbour's, or zeros by TMA), then tile lo
     bar_expect(bar(kQFull), kTileBytes);
     const int token0 = b * a.tokens + pid_m * (kBlockM / a.heads);
-    for (int j = 0; j < kChunks - 1; ++j) tma_load_3d(base + kQ + j * kChunkBytes, &q_map, j * 64, 0, token0, bar(kQFull));
-    tma_load_3d(base + kQ + (kChunks - 1) * kChunkBytes, &rope_map, 0, 0, token0, bar(kQFull));
-    load_kv_tile(&kv_map, a, table_row, lo, base + kKV, bar(kKvFull));
+    const int rank = kCluster > 1 ? static_cast<int>(cluster_rank()) : 0;
+    for (int j = rank; j < kChunks; j += kCluster) {
+      const CUtensorMap* map = j < kChunks - 1 ? &q_map : &rope_map;
+      const int col = j < kChunks - 1 ? j * 64 : 0;
+      if constexpr (kCluster > 1)
+        tma_load_3d_multicast(base + kQ + j * kChunkBytes, map, col, 0, token0, bar(kQFull), (1u << kCluster) - 1);
+      else
+        tma_load_3d(base + kQ + j * kChunkBytes, map, col, 0, token0, bar(kQFull));
+    }
+    if (lo < hi) load_kv_tile(&kv_map, a, table_row, lo, base + kKV, bar(kKvFull));
   }
 
   float acc[4][32];  // output columns wg * 256 + [0, 256): one m64n256 accumulator, by 64-column block
@@ -296,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       row_ok[h] = m < rows_total;
       mask_row[h] = a.mask + static_cast<int64_t>(b * a.tokens + min(m, rows_total - 1) / a.heads) * a.mask_words;
     }
-    if (lo < hi) bar_wait(bar(kQFull), 0);
+    bar_wait(bar(kQFull), 0);  // empty splits too: no CTA leaves while peers' multicasts into it are in flight
     for (int tile = lo; tile < hi; ++tile) {
       const int i = tile - lo, buf = i % kStages;
       const uint32_t kv = base + kKV + buf * kTileBytes;
@@ -456,40 +481,65 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto part_row = [&](int cluster, int m) {
     return (static_cast<int64_t>(cluster) * a.batch + b) * rows_total + m;
   };
-  for (int u = tid; u < kRowsPer * kQuads; u += kThreads) {
-    const int r = rank * kRowsPer + u / kQuads, q4 = u % kQuads;
-    const int m = pid_m * kBlockM + r;
-    if (m >= rows_total) continue;
-    float lse_j[kCluster], top = -INFINITY;
+  // First each row's weights over the cluster (one thread a row), then the weighted sums, all of
+  // two items' kCluster loads issued before any is used. The reads still run at ~35 GB/s per SM
+  // (H200, globaltimer stamps, 2026-12-01): 3.7 us for the 112 KB a CTA of a cluster of 8 reads,
+  // about what the same CTA takes to store its 128 KB partial when it has no cluster.
+  float* weight_s = reinterpret_cast<float*>(smem + kP);  // [kRowsPer, kCluster]; P is free now
+  float* row_lse_s = weight_s + kBlockM;                  // [kRowsPer], natural log
+  if (tid < kRowsPer) {
+    const int r = rank * kRowsPer + tid;
+    float w[kCluster], top = -INFINITY;
 #pragma unroll
     for (int j = 0; j < kCluster; ++j) {
-      lse_j[j] = kCluster > 1 ? ld_peer(peer_addr(base + kLse + 4 * r, j)) : lse_s[r];
-      top = fmaxf(top, lse_j[j]);
+      w[j] = kCluster > 1 ? ld_peer(peer_addr(base + kLse + 4 * r, j)) : lse_s[r];
+      top = fmaxf(top, w[j]);
     }
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-    float lse = -INFINITY;
-    if (top > -INFINITY) {
-      float wsum = 0.f;
+    float wsum = 0.f;
 #pragma unroll
-      for (int j = 0; j < kCluster; ++j) {
-        const float w = exp2f(lse_j[j] - top);
-        wsum += w;
-        if (w > 0.f) {
-          const uint32_t off = kKV + 4u * (r * kOStride + 4 * q4);
-          const float4 v = kCluster > 1 ? ld_peer4(peer_addr(base + off, j)) : *reinterpret_cast<const float4*>(smem + off);
-          o.x += w * v.x, o.y += w * v.y, o.z += w * v.z, o.w += w * v.w;
-        }
-      }
-      const float inv = 1.f / wsum;
-      o.x *= inv, o.y *= inv, o.z *= inv, o.w *= inv;
-      lse = (top + log2f(wsum)) * 0.6931471805599453f;
+    for (int j = 0; j < kCluster; ++j) {
+      w[j] = top > -INFINITY ? fast_exp2(w[j] - top) : 0.f;
+      wsum += w[j];
     }
-    if (clusters == 1) {
-      write_out(m, q4, o, lse);
-    } else {
-      const int64_t prow = part_row(cluster_id, m);
-      *reinterpret_cast<float4*>(a.o_part + prow * kC + 4 * q4) = o;
-      if (q4 == 0) a.lse_part[prow] = lse;
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+#pragma unroll
+    for (int j = 0; j < kCluster; ++j) weight_s[tid * kCluster + j] = w[j] * inv;
+    row_lse_s[tid] = wsum > 0.f ? (top + log2f(wsum)) * 0.6931471805599453f : -INFINITY;
+  }
+  __syncthreads();
+  uint32_t peer_base[kCluster];  // each peer's staged output, in the cluster's shared window
+#pragma unroll
+  for (int j = 0; j < kCluster; ++j) peer_base[j] = kCluster > 1 ? peer_addr(base + kKV, j) : base + kKV;
+  static_assert(kRowsPer * kQuads % (2 * kThreads) == 0, "two items a thread per step");
+  for (int u0 = tid; u0 < kRowsPer * kQuads; u0 += 2 * kThreads) {
+    float4 v[2][kCluster];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int u = u0 + i * kThreads;
+      const uint32_t off = 4u * ((rank * kRowsPer + u / kQuads) * kOStride + 4 * (u % kQuads));
+#pragma unroll
+      for (int j = 0; j < kCluster; ++j)
+        v[i][j] = kCluster > 1 ? ld_peer4(peer_base[j] + off) : *reinterpret_cast<const float4*>(smem + kKV + off);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int u = u0 + i * kThreads, q4 = u % kQuads;
+      const int m = pid_m * kBlockM + rank * kRowsPer + u / kQuads;
+      if (m >= rows_total) continue;
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int j = 0; j < kCluster; ++j) {  // a zero weight (a split that saw nothing) adds nothing, even NaN
+        const float w = weight_s[(u / kQuads) * kCluster + j];
+        if (w > 0.f) o.x += w * v[i][j].x, o.y += w * v[i][j].y, o.z += w * v[i][j].z, o.w += w * v[i][j].w;
+      }
+      const float lse = row_lse_s[u / kQuads];
+      if (clusters == 1) {
+        write_out(m, q4, o, lse);
+      } else {
+        const int64_t prow = part_row(cluster_id, m);
+        *reinterpret_cast<float4*>(a.o_part + prow * kC + 4 * q4) = o;
+        if (q4 == 0) a.lse_part[prow] = lse;
+      }
     }
   }
 
