@@ -432,10 +432,12 @@ def run_variants(args) -> None:
 
 def run_clusters(args) -> None:
     """The Gluon kernel against the cluster kernel at each cluster size's config, side by side
-    under graph replay (B 1 trees by default; --shapes for others), as in docs/verify_attention.md."""
+    under graph replay (the B 1 tree shapes of the grid and B 2 x 16 x h 8 by default; --shapes
+    for others), as in docs/verify_attention.md."""
     from ddtree.kernels.mla_verify_cluster import cluster_config, mla_verify_attention_cluster
     from ddtree.kernels.mla_verify_wgmma import mla_verify_attention_wgmma
-    shapes = args.shapes or [(1, 16, 8, p) for p in (1024, 8192, 32768)] + [(1, 16, 16, 8192), (1, 64, 8, 8192)]
+    shapes = args.shapes or ([(1, n, h, p) for n in (16, 64) for h in (8, 16) for p in (1024, 8192, 32768)]
+                             + [(2, 16, 8, 8192), (2, 16, 8, 32768)])
     work = Workload(max(s[0] for s in shapes), max(s[3] for s in shapes), max(s[1] for s in shapes))
     gen = torch.Generator().manual_seed(0)
     scale = (C + R) ** -0.5

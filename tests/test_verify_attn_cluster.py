@@ -92,14 +92,17 @@ def test_bad_table_entries_never_fault():
 
 
 def test_config_fills_one_wave_of_clusters(monkeypatch):
-    """The largest cluster of which at least MIN_CLUSTERS_PER_ROW_BLOCK run per row block in one
-    wave; splits never below MIN_SPLIT_KEYS keys; one split when the row blocks fill the device."""
+    """Per cluster size, one wave of clusters per row block, splits never below MIN_SPLIT_KEYS
+    keys; of those the fewest tiles per CTA plus CLUSTER_COST_TILES, ties to the larger cluster;
+    one split when the row blocks fill the device."""
     import ddtree.kernels.mla_verify_cluster as m
     active = {1: 132, 2: 66, 4: 30, 8: 15}  # the H200's
     monkeypatch.setattr(m, "max_active_clusters", lambda device, c: active[c])
     assert m.cluster_config(128, 1, 8192, 0) == (56, 8)     # 2 row blocks: 7 clusters of 8 each
     assert m.cluster_config(256, 1, 8192, 0) == (28, 4)     # 4 row blocks: 7 clusters of 4 each
     assert m.cluster_config(512, 1, 8192, 0) == (16, 2)     # 8 row blocks
+    assert m.cluster_config(128, 1, 32768, 0) == (60, 4)    # 9 tiles a CTA, where (56, 8) reads 10
+    assert m.cluster_config(256, 1, 32768, 0) == (32, 2)    # 16 tiles, where (28, 4) reads 19
     assert m.cluster_config(128, 1, 1024, 0) == (8, 8)      # 1024 / 128 = 8 splits at most
     assert m.cluster_config(128, 1, 256, 0) == (2, 2)
     assert m.cluster_config(64 * 200, 1, 8192, 0) == (1, 1)  # 200 row blocks: no split
@@ -135,8 +138,9 @@ def test_dispatcher_sends_few_row_blocks_of_trees_here(monkeypatch):
     choice = lambda batch, tail: dispatch.verify_kernel(q, q, q, torch.zeros(batch, tail, 1))[0]  # noqa: E731
     assert choice(1, 16) == "cluster"    # 128 rows: 2 row blocks
     assert choice(1, 8) == "cluster"     # 64 rows: 1 row block
-    assert choice(2, 16) == "wgmma"      # 4 row blocks
-    assert choice(1, 64) == "wgmma"      # 512 rows: 8 row blocks
+    assert choice(2, 16) == "cluster"    # 4 row blocks
+    assert choice(2, 64) == "cluster"    # 512 rows a request: 16 row blocks
+    assert choice(3, 64) == "wgmma"      # 24 row blocks
     assert choice(1, 2) == "wgmma"       # 16 rows: the transposed (decode) kernel
     monkeypatch.setenv("DDTREE_VERIFY_ATTN", "wgmma")
     assert choice(1, 16) == "wgmma"

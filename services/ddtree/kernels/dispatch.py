@@ -13,7 +13,7 @@ import torch
 
 from .validate import kernel_dims_supported
 
-CLUSTER_MAX_ROW_BLOCKS = 2  # H200, graph replay, 2026-12-01: see cluster_verify_wanted
+CLUSTER_MAX_ROW_BLOCKS = 16  # H200, graph replay, 2026-12-01: see cluster_verify_wanted
 
 
 @functools.cache
@@ -60,10 +60,11 @@ def cluster_verify_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: t
                           rows_per_request: int) -> bool:
     """For inputs the wgmma kernel takes: True where the cluster kernel (CUDA C++) serves them
     instead: trees of more than FEW_ROWS rows in at most CLUSTER_MAX_ROW_BLOCKS row blocks over
-    the batch (B 1 trees of up to 128 rows, whose many splits it reduces on chip), unless
-    DDTREE_VERIFY_ATTN=wgmma. H200, graph replay, 2026-12-01, against the Gluon kernel: 1 x 16 x
-    h 8 at 1k / 8k / 32k 15.8 / 20.4 / 35.0 us against 16.0 / 21.3 / 36.0; 4 row blocks even
-    (1 x 16 x h 16 at 8k 24.4 against 24.5), 8 and more slower (1 x 64 x h 8 at 8k 34.5 / 32.3)."""
+    the batch (where its config rule picks clusters of 2 or more; B 1 trees of up to 1024 rows),
+    unless DDTREE_VERIFY_ATTN=wgmma. H200, graph replay, side by side in one process, 2026-12-01
+    (session 21, with Q multicast), against the Gluon kernel: 2 row blocks (1 x 16 x h 8) at 1k /
+    8k / 32k 15.8 / 20.7 / 35.0 us against 16.1 / 21.7 / 35.7; 4 (1 x 16 x h 16, 8k) 23.7 / 24.5;
+    8 (1 x 64 x h 8, 8k) 31.0 / 32.2; 16 (1 x 64 x h 16, 8k) 45.8 / 47.2."""
     from .mla_verify_wgmma import BLOCK_M, FEW_ROWS
     if (os.environ.get("DDTREE_VERIFY_ATTN", "auto") == "wgmma" or rows_per_request <= FEW_ROWS
             or batch * -(-rows_per_request // BLOCK_M) > CLUSTER_MAX_ROW_BLOCKS):

@@ -19,8 +19,12 @@ from .mla_verify_wgmma import BLOCK_M, MIN_SPLIT_KEYS, wgmma_verify_supported
 from .validate import check_verify_inputs, check_verify_values, verify_outputs
 
 CLUSTERS = (1, 2, 4, 8)  # CTAs per cluster the extension is built for (8: the portable maximum)
-MIN_CLUSTERS_PER_ROW_BLOCK = 4  # fewer, larger clusters leave SMs idle (a cluster's CTAs share a GPC)
-
+KEY_TILE = 64  # keys per tile of the kernel's loop
+# What a config's epilogue costs beyond its tiles, in tiles (~1.8 us each on the H200): the
+# reduction over distributed shared memory and the merge launch of splits / cluster partials.
+# Fitted to side-by-side runs (graph replay, 2026-12-01, session 21): at equal tiles per CTA,
+# clusters of 4 and 8 measured alike, 2 about 1.5 tiles slower, single CTAs about 2.5.
+CLUSTER_COST_TILES = {8: 0.0, 4: 0.0, 2: 1.5, 1: 2.5}
 
 def _native():
     from ddtree.native import load
@@ -59,21 +63,28 @@ def max_active_clusters(device_index: int, cluster: int) -> int:
 
 def cluster_config(rows_per_request: int, batch: int, max_kv_len: int, device_index: int,
                    cluster: int | None = None) -> tuple[int, int]:
-    """(splits, cluster): the largest cluster of which at least MIN_CLUSTERS_PER_ROW_BLOCK run per
-    row block in one wave (or the cluster given, if one of its clusters per row block fits), as
-    many of them as run, each split at least MIN_SPLIT_KEYS keys; else single CTAs filling the SMs
-    once (the wgmma kernel's rule).
-    H200, graph replay, 2026-12-01: 2 row blocks (1 x 16 x h 8) 8k 20.4 us at (56, 8), 21.6 at
-    (60, 4), 27.6 at (64, 1); 4 row blocks 24.4 at (28, 4), 25.9 at (24, 8); 8 row blocks
-    34.5 at (16, 2), 35.4 at (12, 4), 41.4 at (8, 8)."""
+    """(splits, cluster): per cluster size, as many clusters per row block as run in one wave
+    (one CTA per SM), each split at least MIN_SPLIT_KEYS keys; of those, the config whose CTAs
+    read the fewest KV tiles plus CLUSTER_COST_TILES (ties: the larger cluster). `cluster` forces
+    the size (if one of its clusters per row block fits). (1, 1) when the row blocks alone fill
+    the device. H200, graph replay, 2026-12-01: 2 row blocks (1 x 16 x h 8) at 8k 21.0 us at
+    (56, 8), 20.8 at (60, 4), 22.2 at (64, 2), 22.6 at (64, 1); at 32k 34.4 / 32.6 / 33.5 / 35.7
+    at (56, 8) / (60, 4) / (66, 2) / (66, 1); 8 row blocks (1 x 64 x h 8) at 8k 31.1 at (16, 2),
+    32.3 at (16, 1), 34.3 at (12, 4)."""
     programs = batch * triton.cdiv(rows_per_request, BLOCK_M)
     max_splits = max(1, max(max_kv_len, 1) // MIN_SPLIT_KEYS)
-    for c in ([cluster] if cluster else [c for c in CLUSTERS if c > 1][::-1]):
+    tiles = triton.cdiv(max(max_kv_len, 1), KEY_TILE)
+    best, best_cost = None, None
+    for c in ([cluster] if cluster else CLUSTERS[::-1]):
         per_block = min(max_active_clusters(device_index, c) // programs, max_splits // c)
-        if per_block >= 1 and (cluster or max_active_clusters(device_index, c) // programs >= MIN_CLUSTERS_PER_ROW_BLOCK):
-            return per_block * c, c
-    return max(1, min(max_active_clusters(device_index, 1) // programs, max_splits)), 1
-
+        if per_block < 1:
+            continue
+        cost = triton.cdiv(tiles, per_block * c) + CLUSTER_COST_TILES[c]
+        if best_cost is None or cost < best_cost:
+            best, best_cost = (per_block * c, c), cost
+    if best_cost is None:  # a forced cluster that does not fit, or more row blocks than SMs
+        return max(1, min(max_active_clusters(device_index, 1) // programs, max_splits)), 1
+    return best
 
 def mla_verify_attention_cluster(
     q_latent: torch.Tensor,
