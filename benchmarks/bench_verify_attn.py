@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", action="store_true", help="decode shapes: new vs old config, eager and graph")
     parser.add_argument("--sweep", action="store_true", help="decode configs under graph replay vs the model")
     parser.add_argument("--clusters", action="store_true",
-                        help="the Gluon kernel against the cluster kernel's configs, graph replay (B 1 trees)")
+                        help="the Gluon kernel against the cluster kernel's configs, graph replay (B 1 and B 2 trees)")
     parser.add_argument("--shapes", type=parse_shapes, default=None,
                         help="grid rows for these BxNODESxHxPREFIX shapes only (comma-separated)")
     parser.add_argument("--text", type=Path, default=None, help="also append the decode/sweep/shapes lines here")
@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                 "xref: torch reference time over kernel time (nan: reference skipped, > 4 GB);\n"
                 "kernel: what the model's dispatcher runs (wgmma on sm_90 since 2026-11-30, for any rows; until then >= 64 rows;\n"
                 "wgmmaT: its transposed kernel for <= 16 rows per request, since session 11;\n"
-                "cluster: the CUDA C++ cluster kernel for trees in <= 2 row blocks, since session 20);\n"
+                "cluster: the CUDA C++ cluster kernel for trees in <= 16 row blocks since session 21 (<= 2 in session 20));\n"
                 "triton_us: the Triton kernel on the same inputs, same run; xtriton = triton_us / us;\n"
                 "graph_us: the dispatcher's kernel under CUDA-graph replay (no host gaps between its kernel and\n"
                 "merge launches), %mm_g / %copy_g against the same (eager) ceilings\n"
