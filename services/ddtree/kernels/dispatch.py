@@ -61,10 +61,12 @@ def cluster_verify_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: t
     """For inputs the wgmma kernel takes: True where the cluster kernel (CUDA C++) serves them
     instead: trees of more than FEW_ROWS rows in at most CLUSTER_MAX_ROW_BLOCKS row blocks over
     the batch (where its config rule picks clusters of 2 or more; B 1 trees of up to 1024 rows),
-    unless DDTREE_VERIFY_ATTN=wgmma. H200, graph replay, side by side in one process, 2026-12-01
-    (session 21, with Q multicast), against the Gluon kernel: 2 row blocks (1 x 16 x h 8) at 1k /
-    8k / 32k 15.8 / 20.7 / 35.0 us against 16.1 / 21.7 / 35.7; 4 (1 x 16 x h 16, 8k) 23.7 / 24.5;
-    8 (1 x 64 x h 8, 8k) 31.0 / 32.2; 16 (1 x 64 x h 16, 8k) 45.8 / 47.2."""
+    unless DDTREE_VERIFY_ATTN=wgmma. H200, graph replay, side by side in one process (2026-12-01,
+    `bench_verify_attn.py --clusters` at 67933de), against the Gluon kernel: 2 row blocks
+    (1 x 16 x h 8) at 1k / 8k / 32k 16.2 / 20.7 / 32.9 us against 15.8 / 21.8 / 35.5; 4 (1 x 16 x
+    h 16, 8k) 23.5 / 24.7; 8 (1 x 64 x h 8, 8k) 30.8 / 32.6; 16 (1 x 64 x h 16, 8k) 45.8 / 47.4;
+    faster on 13 of its 14 shapes. With more row blocks the Gluon kernel's core (4.5% faster
+    where neither splits) wins."""
     from .mla_verify_wgmma import BLOCK_M, FEW_ROWS
     if (os.environ.get("DDTREE_VERIFY_ATTN", "auto") == "wgmma" or rows_per_request <= FEW_ROWS
             or batch * -(-rows_per_request // BLOCK_M) > CLUSTER_MAX_ROW_BLOCKS):

@@ -26,6 +26,7 @@ KEY_TILE = 64  # keys per tile of the kernel's loop
 # clusters of 4 and 8 measured alike, 2 about 1.5 tiles slower, single CTAs about 2.5.
 CLUSTER_COST_TILES = {8: 0.0, 4: 0.0, 2: 1.5, 1: 2.5}
 
+
 def _native():
     from ddtree.native import load
     return load()
@@ -85,6 +86,7 @@ def cluster_config(rows_per_request: int, batch: int, max_kv_len: int, device_in
     if best_cost is None:  # a forced cluster that does not fit, or more row blocks than SMs
         return max(1, min(max_active_clusters(device_index, 1) // programs, max_splits)), 1
     return best
+
 
 def mla_verify_attention_cluster(
     q_latent: torch.Tensor,
