@@ -16,7 +16,7 @@ import triton
 
 from .mla_verify_triton import _LOG2E, merge_splits
 from .mla_verify_wgmma import BLOCK_M, MIN_SPLIT_KEYS, wgmma_verify_supported
-from .validate import check_verify_inputs, check_verify_values, verify_outputs
+from .validate import checked_call
 
 CLUSTERS = (1, 2, 4, 8)  # CTAs per cluster the extension is built for (8: the portable maximum)
 KEY_TILE = 64  # keys per tile of the kernel's loop
@@ -107,15 +107,11 @@ def mla_verify_attention_cluster(
     `cluster_verify_supported` accepts (ValueError otherwise). config: (splits, cluster), default
     `cluster_config`; cluster in CLUSTERS and dividing splits. More than one cluster per row block
     writes one fp32 partial per cluster, merged by a second launch (merge_splits)."""
-    b, t, heads, c, r = check_verify_inputs(q_latent, q_rope, cache, block_table, prefix_lens, mask, out, lse)
-    if not cluster_verify_supported(q_latent, q_rope, cache, t * heads):
-        raise ValueError(f"the cluster kernel needs sm_90, C 512, R 64, a head count dividing 64, 16-byte aligned "
-                         f"Q rows and packed pages of a power-of-two size >= 16; got {q_latent.device}, C {c}, R {r}, "
-                         f"h {heads}, cache {tuple(cache.shape)} strides {cache.stride()}")
-    if check_values:
-        check_verify_values(cache, block_table, prefix_lens, t)
+    b, t, heads, c, _, out, lse = checked_call(
+        cluster_verify_supported, "the cluster kernel needs sm_90, C 512, R 64, a head count dividing 64, 16-byte "
+        "aligned Q rows and packed pages of a power-of-two size >= 16", q_latent, q_rope, cache, block_table,
+        prefix_lens, mask, out, lse, check_values)
     rows, device = b * t, q_latent.device
-    out, lse = verify_outputs(q_latent, rows, heads, c, out, lse)
     if config is None:
         config = cluster_config(t * heads, b, block_table.shape[1] * cache.shape[1], device.index or 0)
     splits, cluster = config

@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma, warpgroup_mma_wait)
 
 from .mla_verify_triton import _LOG2E, _num_sms, merge_splits
-from .validate import check_verify_inputs, check_verify_values, verify_outputs
+from .validate import checked_call
 
 BLOCK_M = 64  # rows of one program: one wgmma M tile
 TILE = (64, 2)  # (BLOCK_N, STAGES): m64n64 scores, 2 tiles in flight (3 do not fit in 227 KB). (32, 4),
@@ -425,15 +425,11 @@ def mla_verify_attention_wgmma(
     default `wgmma_config`; BLOCK_N 32 or 64 with STAGES * BLOCK_N <= 128; more than one split writes
     fp32 partials merged by a second launch. Requests of <= FEW_ROWS rows with 64-key tiles run the
     transposed kernel (mla_decode_wgmma), the rest the row-block kernel."""
-    b, t, heads, c, r = check_verify_inputs(q_latent, q_rope, cache, block_table, prefix_lens, mask, out, lse)
-    if not wgmma_verify_supported(q_latent, q_rope, cache, t * heads):
-        raise ValueError(f"the wgmma kernel needs sm_90, C 512, R 64, >= 1 row per request and packed "
-                         f"pages of a power-of-two size >= 16; got {q_latent.device}, C {c}, R {r}, {t * heads} rows, "
-                         f"cache {tuple(cache.shape)} strides {cache.stride()}")
-    if check_values:
-        check_verify_values(cache, block_table, prefix_lens, t)
+    b, t, heads, c, r, out, lse = checked_call(
+        wgmma_verify_supported, "the wgmma kernel needs sm_90, C 512, R 64, >= 1 row per request and packed pages "
+        "of a power-of-two size >= 16", q_latent, q_rope, cache, block_table, prefix_lens, mask, out, lse,
+        check_values)
     rows, device = b * t, q_latent.device
-    out, lse = verify_outputs(q_latent, rows, heads, c, out, lse)
     if config is None:
         config = wgmma_config(t * heads, b, block_table.shape[1] * cache.shape[1], _num_sms(device.index or 0))
     block_n, stages, splits = config

@@ -94,3 +94,17 @@ def verify_outputs(q_latent: torch.Tensor, rows: int, heads: int, c: int, out: t
     if lse is None:
         lse = torch.empty(rows, heads, dtype=torch.float32, device=q_latent.device)
     return out, lse
+
+
+def checked_call(supported, needs: str, q_latent, q_rope, cache, block_table, prefix_lens, mask,
+                 out: torch.Tensor | None, lse: torch.Tensor | None, check_values: bool):
+    """The common start of a kernel entry: check_verify_inputs, then `supported(q_latent, q_rope,
+    cache, rows_per_request)` (a ValueError starting with `needs` and naming what was given, if
+    not), the value checks when asked, and the outputs. Returns (B, T, h, C, R, out, lse)."""
+    b, t, heads, c, r = check_verify_inputs(q_latent, q_rope, cache, block_table, prefix_lens, mask, out, lse)
+    if not supported(q_latent, q_rope, cache, t * heads):
+        raise ValueError(f"{needs}; got {q_latent.device}, C {c}, R {r}, h {heads}, {t * heads} rows per request, "
+                         f"cache {tuple(cache.shape)} strides {cache.stride()}")
+    if check_values:
+        check_verify_values(cache, block_table, prefix_lens, t)
+    return (b, t, heads, c, r, *verify_outputs(q_latent, b * t, heads, c, out, lse))
