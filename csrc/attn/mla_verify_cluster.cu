@@ -25,18 +25,16 @@
 
 #include <cstdint>
 #include <stdexcept>
-#include <string>
 
 #include "attn/mla_verify_cluster.h"
+#include "attn/sm90.cuh"
 
 namespace ddtree::attn {
 namespace {
 
-constexpr int kC = 512, kR = 64, kChunks = (kC + kR) / 64;  // 64-column chunks: one 128-byte swizzle atom wide
-constexpr int kBlockM = 64, kBlockN = 64, kStages = 2, kThreads = 256;
-constexpr uint32_t kChunkBytes = 64 * 128;              // [64 rows, 64 columns] bf16
-constexpr uint32_t kTileBytes = kChunks * kChunkBytes;  // Q or one KV tile: 72 KB
-constexpr int kOStride = kC + 4;                        // staged output row, floats (padding: fewer bank conflicts)
+using namespace sm90;
+constexpr int kBlockM = 64, kBlockN = kKeyTile, kStages = 2, kThreads = 256;
+constexpr int kOStride = kC + 4;  // staged output row, floats (padding: fewer bank conflicts)
 // Shared memory, from a 1024-byte aligned base (the swizzle atoms need it).
 constexpr uint32_t kQ = 0, kKV = kTileBytes, kP = kKV + kStages * kTileBytes, kAlpha = kP + kChunkBytes,
                    kInvL = kAlpha + 256, kLse = kInvL + 256, kBar = kLse + 256, kSmemBytes = kBar + 64 + 1024;
@@ -45,101 +43,7 @@ static_assert(kBlockM * kOStride * 4 <= kStages * kTileBytes, "the staged output
 static_assert(kSmemBytes <= 227 * 1024, "one CTA per SM");
 static_assert(8 * (kPFree + 1) <= 64, "the barriers fit their 64 bytes");
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// --- mbarriers, TMA, clusters ---
-__device__ __forceinline__ void bar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void bar_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-// One arrival per warp, after the whole warp's prior writes: warpgroup handshakes count 4 (as
-// fast as an arrival per thread, measured on the H200; fewer barrier transactions).
-__device__ __forceinline__ void warp_arrive(uint32_t bar) {
-  __syncwarp();
-  if (threadIdx.x % 32 == 0) bar_arrive(bar);
-}
-__device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
-      "l"(map), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
-                                            uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
-      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
-                                                      uint32_t bar, uint16_t ctas) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(dst),
-      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(ctas)
-      : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-__device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ uint32_t peer_addr(uint32_t addr, uint32_t rank) {  // the same offset in CTA `rank`
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
-}
-__device__ __forceinline__ float ld_peer(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ float4 ld_peer4(uint32_t addr) {
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(addr)
-               : "memory");
-  return v;
-}
-
 // --- wgmma (m64n64k16 scores, m64n256k16 values; bf16 in, fp32 accumulators) ---
-// Operand descriptor of a 128-byte swizzled tile whose 8-row atoms are 1024 bytes apart (the
-// stride byte offset). K-major operands (Q, K, P) span one atom in K per instruction, so the
-// leading byte offset is unused; the N-major values span four 64-column chunks in N, 8 KB apart.
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t leading = 16) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(leading >> 4) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-
 #define DDTREE_ACC8(d, i)                                                                                  \
   "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
       "+f"(d[i + 7])
@@ -185,62 +89,6 @@ __device__ __forceinline__ void wgmma_256_rs(float (&d)[4][32], const uint32_t* 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// KV tile `tile` of the request (keys tile * 64..) into the buffer at `dst`, by TMA boxes of
-// page_rows rows x 64 columns, each from its page; page ids out of the table or the cache are
-// clamped (wrong rows, never a fault). Completion: `full` (expect-tx). One thread.
-__device__ void load_kv_tile(const CUtensorMap* kv_map, const VerifyClusterArgs& a, const int32_t* table_row,
-                             int tile, uint32_t dst, uint32_t full) {
-  const int page_rows = min(a.page_size, kBlockN);
-  bar_expect(full, kTileBytes);
-  for (int k = 0; k < kBlockN / page_rows; ++k) {
-    const int pos = tile * kBlockN + k * page_rows;
-    int page = table_row[min(pos / a.page_size, a.max_pages - 1)];
-    page = min(max(page, 0), a.num_pages - 1);
-    const int row = page * a.page_size + pos % a.page_size;
-    for (int j = 0; j < kChunks; ++j)
-      tma_load_2d(dst + j * kChunkBytes + k * page_rows * 128, kv_map, j * 64, row, full);
-  }
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {  // 2^x; -inf -> 0 (as the Gluon kernel's gl.exp2)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Which of the 64 keys of `tile` row m sees, as bits: the prefix, then the tree tail through the
-// row's ancestor bitmask (all of it when !tail_mask), nothing past the sequence. Tail tiles only.
-// One window per row and a shift per score keep the loop small. The first version (a branch and a
-// load per score, descriptors rebuilt per wgmma, exp2f's denormal path) spent ~3,300 cycles a
-// tile on the scores and ~2,300 on the softmax (clock64, H200); with those changed together the
-// kernel runs at the Gluon kernel's speed (docs/verify_attention.md, session 20).
-__device__ __forceinline__ uint64_t visible_keys(const VerifyClusterArgs& a, const uint64_t* mask_row, bool row_ok,
-                                                 int tile, int prefix, int kv_len) {
-  const int first = tile * kBlockN - prefix;  // the tile's first key, relative to the tail (>= -63)
-  const int in_seq = min(kv_len - tile * kBlockN, kBlockN);
-  const uint64_t in_seq_bits = in_seq >= 64 ? ~0ull : (1ull << in_seq) - 1;
-  uint64_t tail = 0;  // bit k: tail key first + k
-  if (row_ok) {
-    if (!a.tail_mask) {
-      tail = ~0ull;
-    } else if (first >= 0) {
-      const int word = first / 64, shift = first % 64;
-      tail = __ldg(reinterpret_cast<const unsigned long long*>(mask_row) + word) >> shift;
-      if (shift != 0 && word + 1 < a.mask_words)
-        tail |= __ldg(reinterpret_cast<const unsigned long long*>(mask_row) + word + 1) << (64 - shift);
-    } else {
-      tail = __ldg(reinterpret_cast<const unsigned long long*>(mask_row)) << -first;
-    }
-  }
-  const uint64_t prefix_bits = first >= 0 ? 0ull : (1ull << -first) - 1;
-  return (prefix_bits | (first >= 0 ? tail : tail & ~prefix_bits)) & in_seq_bits;
-}
-
 template <int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     verify_cluster_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap rope_map,
@@ -271,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int per_split = (n_tiles + a.splits - 1) / a.splits;
   const int lo = split * per_split, hi = min(lo + per_split, n_tiles);
   const int full_hi = max(min(hi, prefix / kBlockN), lo);
-  const int32_t* table_row = a.table + b * a.table_row;
+  const Paging paging{a.table + b * a.table_row, a.page_size, a.max_pages, a.num_pages};
 
   if (tid == 0) {
     bar_init(bar(kQFull), 1);
@@ -287,6 +135,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // multicasts each to every CTA, so L2 serves it once per cluster, not once per CTA. A peer's
   // chunk may land before this CTA's expect-tx (the phase waits for that arrival as well), but
   // not before its barriers exist: hence the cluster barrier after their init.
+  KvTileRows first_rows;  // tile lo's page rows, looked up under the barrier
+  if (tid == 128 && lo < hi) first_rows = kv_tile_rows(paging, lo);
   if constexpr (kCluster > 1) cluster_sync(); else __syncthreads();
   if (tid == 128) {  // Q (rows past the request: its neighbour's, or zeros by TMA), then tile lo
     bar_expect(bar(kQFull), kTileBytes);
@@ -300,7 +150,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       else
         tma_load_3d(base + kQ + j * kChunkBytes, map, col, 0, token0, bar(kQFull));
     }
-    if (lo < hi) load_kv_tile(&kv_map, a, table_row, lo, base + kKV, bar(kKvFull));
+    if (lo < hi) issue_kv_tile(&kv_map, paging, first_rows, base + kKV, bar(kKvFull));
   }
 
   float acc[4][32];  // output columns wg * 256 + [0, 256): one m64n256 accumulator, by 64-column block
@@ -353,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (tile >= full_hi) {  // a tile touching the tail: bitmask for tail keys, nothing past it
         uint64_t vis[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) vis[h] = visible_keys(a, mask_row[h], row_ok[h], tile, prefix, kv_len);
+        for (int h = 0; h < 2; ++h) vis[h] = visible_keys(mask_row[h], a.mask_words, a.tail_mask, row_ok[h], tile, prefix, kv_len);
 #pragma unroll
         for (int e = 0; e < 32; ++e) {
           const int col = 8 * (e / 4) + c0 + e % 2;
@@ -432,8 +282,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t kv = base + kKV + buf * kTileBytes;
       if (t == 0 && tile + 1 < hi) {
         const int j = i + 1, nbuf = j % kStages;  // its buffer held tile j - kStages
+        const KvTileRows rows = kv_tile_rows(paging, tile + 1);  // looked up while the buffer drains
         if (j >= kStages) bar_wait(bar(kKDone + nbuf), (j / kStages - 1) & 1);
-        load_kv_tile(&kv_map, a, table_row, tile + 1, base + kKV + nbuf * kTileBytes, bar(kKvFull + nbuf));
+        issue_kv_tile(&kv_map, paging, rows, base + kKV + nbuf * kTileBytes, bar(kKvFull + nbuf));
       }
       __syncwarp();
       bar_wait(bar(kPReady), i & 1);
@@ -549,74 +400,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiled encode_tiled() {  // from the driver, so the extension does not link libcuda
-  static const EncodeTiled fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      throw std::runtime_error("mla_verify_cluster: the CUDA driver has no cuTensorMapEncodeTiled");
-    return reinterpret_cast<EncodeTiled>(p);
-  }();
-  return fn;
-}
-
-// A bf16 tensor map with 128-byte swizzled boxes; dims innermost first, strides in bytes.
-CUtensorMap tensor_map(const void* ptr, cuuint32_t rank, const cuuint64_t* dims, const cuuint64_t* strides,
-                       const cuuint32_t* box) {
-  CUtensorMap map;
-  const cuuint32_t unit[3] = {1, 1, 1};
-  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(ptr), dims, strides,
-                                    box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) throw std::runtime_error("mla_verify_cluster: cuTensorMapEncodeTiled failed, CUresult " + std::to_string(r));
-  return map;
-}
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("mla_verify_cluster: ") + what + ": " + cudaGetErrorString(e));
-}
-
-// The launch of verify_cluster_kernel<kCluster> over `grid` (its shared memory allowed first).
 template <int kCluster>
-struct ClusterLaunch {
-  cudaLaunchAttribute attr[1];
-  cudaLaunchConfig_t cfg = {};
-  ClusterLaunch(dim3 grid, cudaStream_t stream) {
-    check(cudaFuncSetAttribute(verify_cluster_kernel<kCluster>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               kSmemBytes),
-          "shared memory size");
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = kCluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = kSmemBytes;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
-};
-
-template <int kCluster>
-void launch(const VerifyClusterArgs& a, const CUtensorMap& q, const CUtensorMap& rope, const CUtensorMap& kv,
-            cudaStream_t stream) {
-  ClusterLaunch<kCluster> l(dim3(a.splits, (a.tokens * a.heads + kBlockM - 1) / kBlockM, a.batch), stream);
-  check(cudaLaunchKernelEx(&l.cfg, verify_cluster_kernel<kCluster>, q, rope, kv, a), "launch");
+void launch(const VerifyClusterArgs& a, const VerifyMaps& m, cudaStream_t stream) {
+  ClusterLaunch l(verify_cluster_kernel<kCluster>, kCluster,
+                  dim3(a.splits, (a.tokens * a.heads + kBlockM - 1) / kBlockM, a.batch), kThreads, kSmemBytes, stream);
+  check(cudaLaunchKernelEx(&l.cfg, verify_cluster_kernel<kCluster>, m.q, m.rope, m.kv, a), "launch");
 }
 
 template <int kCluster>
 int active_clusters() {
-  ClusterLaunch<kCluster> l(dim3(kCluster * 64), nullptr);
-  int n = 0;
-  check(cudaOccupancyMaxActiveClusters(&n, verify_cluster_kernel<kCluster>, &l.cfg), "cluster occupancy");
-  return n;
+  return max_active_clusters(verify_cluster_kernel<kCluster>, kCluster, kThreads, kSmemBytes);
 }
 
 }  // namespace
@@ -632,27 +425,15 @@ int mla_verify_cluster_max_active(int cluster) {
 }
 
 void mla_verify_cluster(const VerifyClusterArgs& a, void* stream) {
-
   if (a.heads < 1 || kBlockM % a.heads != 0 || a.cluster < 1 || a.splits % a.cluster != 0)
     throw std::invalid_argument("mla_verify_cluster: heads must divide 64 and cluster the splits");
-  const cuuint32_t rows_per_head = kBlockM / a.heads, heads = a.heads;
-  const cuuint64_t tokens = static_cast<cuuint64_t>(a.batch) * a.tokens;
-  const cuuint64_t q_dims[3] = {kC, heads, tokens}, rope_dims[3] = {kR, heads, tokens};
-  const cuuint64_t q_strides[2] = {2ull * a.q_lat_head, 2ull * a.q_lat_row};
-  const cuuint64_t rope_strides[2] = {2ull * a.q_rope_head, 2ull * a.q_rope_row};
-  const cuuint32_t q_box[3] = {64, heads, rows_per_head};
-  const cuuint64_t kv_dims[2] = {kC + kR, static_cast<cuuint64_t>(a.num_pages) * a.page_size};
-  const cuuint64_t kv_strides[1] = {2ull * a.cache_row};
-  const cuuint32_t kv_box[2] = {64, static_cast<cuuint32_t>(a.page_size < kBlockN ? a.page_size : kBlockN)};
-  const CUtensorMap q = tensor_map(a.q_latent, 3, q_dims, q_strides, q_box);
-  const CUtensorMap rope = tensor_map(a.q_rope, 3, rope_dims, rope_strides, q_box);
-  const CUtensorMap kv = tensor_map(a.cache, 2, kv_dims, kv_strides, kv_box);
+  const VerifyMaps maps = verify_maps(a, kBlockM / a.heads);
   const auto s = static_cast<cudaStream_t>(stream);
   switch (a.cluster) {
-    case 1: return launch<1>(a, q, rope, kv, s);
-    case 2: return launch<2>(a, q, rope, kv, s);
-    case 4: return launch<4>(a, q, rope, kv, s);
-    case 8: return launch<8>(a, q, rope, kv, s);
+    case 1: return launch<1>(a, maps, s);
+    case 2: return launch<2>(a, maps, s);
+    case 4: return launch<4>(a, maps, s);
+    case 8: return launch<8>(a, maps, s);
     default: throw std::invalid_argument("mla_verify_cluster: cluster must be 1, 2, 4 or 8");
   }
 }
