@@ -35,4 +35,10 @@ int mla_verify_cluster_max_active(int cluster);
 // Launches on `stream` (a cudaStream_t); throws std::runtime_error on a launch failure.
 void mla_verify_cluster(const VerifyClusterArgs& args, void* stream);
 
+// Decode and other requests of <= 16 rows (csrc/attn/mla_decode_cluster.cu): the transposed kernel
+// (keys as the wgmma M side) with one request's splits in clusters. `args` as above; `splits` CTAs
+// per request, a multiple of `cluster` (1, 2, 4 or 8); heads dividing 8 (<= 8 rows) or 16.
+int mla_decode_cluster_max_active(int cluster, int rows_per_request);
+void mla_decode_cluster(const VerifyClusterArgs& args, void* stream);
+
 }  // namespace ddtree::attn

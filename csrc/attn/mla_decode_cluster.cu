@@ -1,0 +1,394 @@
+// Verify attention for requests of <= 16 query rows (decode; 2-token chains at h 8) on Hopper
+// thread-block clusters (see mla_verify_cluster.h).
+//
+// The scheme of the Gluon transposed kernel (services/ddtree/kernels/mla_decode_wgmma.py): the keys
+// are the wgmma M side, so a CTA computes NR = 8 or 16 query columns, not 64 padded rows:
+// - scores^T [64 keys, NR] = K Q^T (wgmma m64nNRk16; A the KV tile, B Q, both K-major),
+// - out^T [512, NR] += V^T P^T (A the same KV tile read M-major, B P^T written to shared memory),
+// with the softmax statistics along the keys (a reduction across the warpgroup's warps). One
+// warpgroup does it all; KV tiles come by TMA, two in flight.
+//
+// What is new is the end: where the Gluon kernel writes one fp32 partial per split and a second
+// launch merges them, the `cluster` CTAs of a cluster hold consecutive splits of one request and
+// reduce over distributed shared memory (CTA k owns output columns [k * 512 / cluster, (k + 1) *
+// 512 / cluster)); a request served by one cluster is written directly. With more clusters per
+// request each cluster writes one fp32 partial, merged by merge_splits. Also: a producer warp issues
+// the TMA copies (see kThreads), and a sequence's partial last tile reads only its 8-row groups
+// that hold keys (issue_kv_tile).
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+
+#include "attn/mla_verify_cluster.h"
+#include "attn/sm90.cuh"
+
+namespace ddtree::attn {
+namespace {
+
+using namespace sm90;
+// A compute warpgroup and a producer warp: the TMA issue (and its page-table reads) never holds the
+// warpgroup's wgmma, which waits for all four of its warps. With the issue in warp 0 the first
+// scores wgmma of each tile waited ~900 cycles for it (ncu, single CTA, H200): 2.0 us a tile.
+constexpr int kCompute = 128, kThreads = kCompute + 32, kStages = 2;
+constexpr int kOStride = kC + 4;  // staged output row, floats (padding: no bank conflicts)
+
+// Shared memory of a CTA with NR query columns, from a 1024-byte aligned base.
+template <int kNR>
+struct Layout {
+  static constexpr uint32_t kv = 0;                                // kStages KV tiles; the staged output after the loop
+  static constexpr uint32_t q = kv + kStages * kTileBytes;          // Q [NR, 576]: 9 chunks of [NR, 64], swizzled
+  static constexpr uint32_t p = q + kChunks * kNR * 128;            // P^T [NR, 64 keys], swizzled (B of the values)
+  static constexpr uint32_t red = p + kNR * 128;                    // [2][4 warps][NR] column maxima, by tile parity
+  static constexpr uint32_t red_l = red + 2 * 4 * kNR * 4;          // [4 warps][NR] column sums
+  static constexpr uint32_t lse = red_l + 4 * kNR * 4;              // [NR] this CTA's log-sum-exp, log2 units
+  static constexpr uint32_t weight = lse + kNR * 4;                 // [NR][8] weights of the cluster's CTAs
+  static constexpr uint32_t row_lse = weight + kNR * 8 * 4;         // [NR] the cluster's log-sum-exp, natural log
+  static constexpr uint32_t bar = row_lse + kNR * 4;                        // kQFull, kKvFull + stage, kKvFree + stage
+  static constexpr uint32_t bytes = bar + 8 * (1 + 2 * kStages) + 1024;  // + alignment slack
+  static_assert(kNR * kOStride * 4 <= kTileBytes, "the staged output fits KV buffer 0");
+  static_assert(bytes <= 227 * 1024, "one CTA per SM");
+};
+
+// d = A B + (accumulate ? d : 0) for an m64nNk16 tile (N = 8 or 16), A and B from shared memory,
+// B K-major; A K-major (the scores: the KV tile) or M-major (kTransA: the KV tile read as V^T).
+// A chain's first product does not accumulate, so no zeroing sits between wgmmas (ptxas would
+// wait for the ones in flight before it).
+template <int kTransA>
+__device__ __forceinline__ void wgmma_n(float (&d)[4], uint64_t a, uint64_t b, bool accumulate = true) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %7, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, %6, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "l"(a), "l"(b), "n"(kTransA), "r"(static_cast<int>(accumulate)));
+}
+template <int kTransA>
+__device__ __forceinline__ void wgmma_n(float (&d)[8], uint64_t a, uint64_t b, bool accumulate = true) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %11, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %10, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(a), "l"(b), "n"(kTransA), "r"(static_cast<int>(accumulate)));
+}
+
+// An m64nN accumulator's element e in this thread: key (or output column) row r0 + 8 * half(e),
+// query column 8 * (e / 4) + c0 + e % 2, which is the thread's column slot col_slot(e).
+__device__ __forceinline__ constexpr int half_of(int e) { return (e / 2) % 2; }
+__device__ __forceinline__ constexpr int col_slot(int e) { return 2 * (e / 4) + e % 2; }
+__device__ __forceinline__ int slot_col(int k, int c0) { return 8 * (k / 2) + c0 + k % 2; }
+
+template <int kNR, int kCluster>
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_cluster_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap rope_map,
+                          const __grid_constant__ CUtensorMap kv_map, const __grid_constant__ CUtensorMap kv8_map,
+                          const VerifyClusterArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = Layout<kNR>;
+  constexpr int kAcc = kNR / 2, kSlots = kNR / 4;  // accumulator registers; query columns a thread holds
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  uint8_t* smem = smem_raw + (base - raw);
+  float* red = reinterpret_cast<float*>(smem + L::red);
+  float* red_l = reinterpret_cast<float*>(smem + L::red_l);
+  float* lse_s = reinterpret_cast<float*>(smem + L::lse);
+  float* o_stage = reinterpret_cast<float*>(smem + L::kv);
+  auto bar = [base](int i) { return base + L::bar + 8u * i; };
+  constexpr int kQFull = 0, kKvFull = 1, kKvFree = 1 + kStages;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int r0 = warp * 16 + lane / 4, c0 = 2 * (lane % 4);
+  const int split = blockIdx.x, b = blockIdx.y;
+  const int rows = a.tokens * a.heads;  // <= kNR: the request's (token, head) pairs
+
+  // This split's 64-key tiles lo..hi-1, spread evenly over the splits; below full_hi wholly prefix.
+  const int prefix = max(static_cast<int>(a.prefix[b]), 0);
+  const int kv_len = prefix + a.tokens;
+  const int n_tiles = (kv_len + kKeyTile - 1) / kKeyTile;
+  const int lo = static_cast<int>(static_cast<int64_t>(split) * n_tiles / a.splits);
+  const int hi = static_cast<int>(static_cast<int64_t>(split + 1) * n_tiles / a.splits);
+  const int full_hi = max(min(hi, prefix / kKeyTile), lo);
+  const Paging paging{a.table + b * a.table_row, a.page_size, a.max_pages, a.num_pages};
+
+  if (tid == 0) {
+    for (int i = 0; i < 1 + kStages; ++i) bar_init(bar(i), 1);
+    for (int i = 0; i < kStages; ++i) bar_init(bar(kKvFree + i), 4);  // one arrival per compute warp
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (warp == 4) {  // the producer: Q (needed first), the first tiles, then each tile once its buffer is free
+    if (lane == 0 && lo < hi) {  // empty splits load nothing
+      bar_expect(bar(kQFull), kChunks * kNR * 128);
+      for (int j = 0; j < kChunks; ++j)  // rows past the request: its neighbour's, or zeros by TMA; never written
+        tma_load_3d(base + L::q + j * kNR * 128, j < kChunks - 1 ? &q_map : &rope_map, j < kChunks - 1 ? j * 64 : 0,
+                    0, b * a.tokens, bar(kQFull));
+      KvTileRows first[kStages];  // page-table reads after Q's copies, which do not need them
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) first[s] = kv_tile_rows(paging, min(lo + s, hi - 1));
+#pragma unroll
+      for (int s = 0; s < kStages; ++s)
+        if (lo + s < hi)
+          issue_kv_tile(&kv_map, paging, first[s], base + L::kv + s * kTileBytes, bar(kKvFull + s), &kv8_map,
+                        kv_len - (lo + s) * kKeyTile);
+      for (int tile = lo + kStages; tile < hi; ++tile) {
+        const int i = tile - lo, buf = i % kStages;
+        const KvTileRows rows_of_tile = kv_tile_rows(paging, tile);  // read while the buffer drains
+        bar_wait(bar(kKvFree + buf), (i / kStages - 1) & 1);
+        issue_kv_tile(&kv_map, paging, rows_of_tile, base + L::kv + buf * kTileBytes, bar(kKvFull + buf), &kv8_map,
+                      kv_len - tile * kKeyTile);
+      }
+    }
+    __syncwarp();
+  } else {
+    float acc[8][kAcc];  // out^T: output columns 64 * blk + r0 (+ 8), query columns by slot
+#pragma unroll
+    for (int blk = 0; blk < 8; ++blk)
+#pragma unroll
+      for (int e = 0; e < kAcc; ++e) acc[blk][e] = 0.f;
+    float m_run[kSlots], l_part[kSlots];  // m: the column's running max (the same in every thread); l: this thread's keys
+    const uint64_t* mask_row[kSlots];
+    bool col_ok[kSlots];
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) {
+      m_run[k] = -INFINITY, l_part[k] = 0.f;
+      const int n = slot_col(k, c0);
+      col_ok[k] = n < rows;
+      mask_row[k] = a.mask + static_cast<int64_t>(b * a.tokens + min(n, rows - 1) / a.heads) * a.mask_words;
+    }
+    const uint64_t q_desc = sw128_desc(base + L::q), p_desc = sw128_desc(base + L::p);
+    if (lo < hi) bar_wait(bar(kQFull), 0);
+
+    for (int tile = lo; tile < hi; ++tile) {
+      const int i = tile - lo, buf = i % kStages;
+      const uint32_t kv = base + L::kv + buf * kTileBytes;
+      bar_wait(bar(kKvFull + buf), (i / kStages) & 1);
+      const int valid = kv_len - tile * kKeyTile;
+      if (valid < kKeyTile) {  // rows past the sequence: stale page rows or not loaded at all; zero V (0 x NaN is NaN)
+        uint4* kv_rows = reinterpret_cast<uint4*>(smem + L::kv + buf * kTileBytes);
+        for (int idx = tid; idx < (kC / 64) * 64 * 8; idx += kCompute)  // [chunk, row, 16-byte piece]
+          if ((idx / 8) % 64 >= valid) kv_rows[idx] = make_uint4(0, 0, 0, 0);
+        fence_proxy_async();
+        named_sync(1, kCompute);
+      }
+      // Three independent accumulators (chunks j = 0, 1, 2 mod 3), issued in turn: one chain of 36
+      // small wgmmas would wait out each one's latency.
+      float s[kAcc], s1[kAcc], s2[kAcc];
+      const uint64_t k_desc = sw128_desc(kv);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int j = 0; j < kChunks; j += 3) {
+          const uint64_t a_step = (j * kChunkBytes + kk * 32) >> 4, b_step = (j * kNR * 128 + kk * 32) >> 4;
+          const bool acc_on = kk > 0 || j > 0;
+          wgmma_n<0>(s, k_desc + a_step, q_desc + b_step, acc_on);
+          wgmma_n<0>(s1, k_desc + a_step + (kChunkBytes >> 4), q_desc + b_step + ((kNR * 128) >> 4), acc_on);
+          wgmma_n<0>(s2, k_desc + a_step + ((2 * kChunkBytes) >> 4), q_desc + b_step + ((2 * kNR * 128) >> 4), acc_on);
+        }
+      wgmma_commit();
+      wgmma_wait_all();
+#pragma unroll
+      for (int e = 0; e < kAcc; ++e) s[e] += s1[e] + s2[e];
+
+      if (tile >= full_hi) {  // a tile touching the tail: bitmask for tail keys, nothing past it
+        uint64_t vis[kSlots];
+#pragma unroll
+        for (int k = 0; k < kSlots; ++k)
+          vis[k] = visible_keys(mask_row[k], a.mask_words, a.tail_mask, col_ok[k], tile, prefix, kv_len);
+#pragma unroll
+        for (int e = 0; e < kAcc; ++e)
+          s[e] = (vis[col_slot(e)] >> (r0 + 8 * half_of(e))) & 1 ? s[e] * a.scale_log2 : -INFINITY;
+      } else {
+#pragma unroll
+        for (int e = 0; e < kAcc; ++e) s[e] *= a.scale_log2;
+      }
+      // Column maxima: this thread's two keys, the 8 lanes of a column, then the 4 warps.
+      float* red_i = red + (i % 2) * 4 * kNR;  // by parity: a warp may write tile i + 1's while others read tile i's
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+        float mx = fmaxf(s[4 * (k / 2) + k % 2], s[4 * (k / 2) + 2 + k % 2]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        if (lane < 4) red_i[warp * kNR + slot_col(k, c0)] = mx;
+      }
+      named_sync(1, kCompute);
+      float alpha[kSlots], m_safe[kSlots];
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+        const int n = slot_col(k, c0);
+        const float mx = fmaxf(fmaxf(red_i[n], red_i[kNR + n]), fmaxf(red_i[2 * kNR + n], red_i[3 * kNR + n]));
+        const float m_new = fmaxf(m_run[k], mx);
+        m_safe[k] = m_new == -INFINITY ? 0.f : m_new;  // a column that has seen nothing yet
+        alpha[k] = fast_exp2(m_run[k] - m_safe[k]);
+        m_run[k] = m_new;
+        l_part[k] *= alpha[k];
+      }
+      // P^T [NR, 64 keys] bf16, K-major with the 128-byte swizzle: key r's 16-byte piece r / 8 of
+      // row n lands at piece (r / 8) ^ (n % 8).
+#pragma unroll
+      for (int e = 0; e < kAcc; ++e) {
+        const float p = fast_exp2(s[e] - m_safe[col_slot(e)]);
+        l_part[col_slot(e)] += p;
+        const int n = 8 * (e / 4) + c0 + e % 2, piece = (warp * 2 + half_of(e)) ^ (n % 8);
+        *reinterpret_cast<__nv_bfloat16*>(smem + L::p + n * 128 + piece * 16 + (lane / 4) * 2) = __float2bfloat16_rn(p);
+      }
+      fence_proxy_async();  // P^T is read by wgmma (the async proxy)
+      named_sync(1, kCompute);
+#pragma unroll
+      for (int blk = 0; blk < 8; ++blk)
+#pragma unroll
+        for (int e = 0; e < kAcc; ++e) acc[blk][e] *= alpha[col_slot(e)];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)  // the 8 accumulators in turn
+#pragma unroll
+        for (int blk = 0; blk < 8; ++blk)
+          wgmma_n<1>(acc[blk], sw128_desc(kv + blk * kChunkBytes, kChunkBytes) + ((kk * 2048) >> 4),
+                     p_desc + ((kk * 32) >> 4));
+      wgmma_commit();
+      wgmma_wait_all();
+      warp_arrive(bar(kKvFree + buf));  // this warp's products are done with the buffer (P^T: the next red barrier)
+    }
+
+    // Column sums (the 8 lanes of a column, then the 4 warps), 1 / l and the log-sum-exp (log2 units).
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) {
+      float l = l_part[k];
+      l += __shfl_xor_sync(0xffffffffu, l, 4);
+      l += __shfl_xor_sync(0xffffffffu, l, 8);
+      l += __shfl_xor_sync(0xffffffffu, l, 16);
+      if (lane < 4) red_l[warp * kNR + slot_col(k, c0)] = l;
+    }
+    named_sync(1, kCompute);
+    float inv_l[kSlots];
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) {
+      const int n = slot_col(k, c0);
+      const float l = red_l[n] + red_l[kNR + n] + red_l[2 * kNR + n] + red_l[3 * kNR + n];
+      inv_l[k] = l > 0.f ? 1.f / l : 0.f;
+      if (tid < 4) lse_s[n] = l > 0.f ? m_run[k] + log2f(l) : -INFINITY;
+    }
+    // Stage the normalized out^T as [NR, 512] fp32 over KV buffer 0 (no load is in flight now).
+#pragma unroll
+    for (int blk = 0; blk < 8; ++blk)
+#pragma unroll
+      for (int e = 0; e < kAcc; ++e)
+        o_stage[(8 * (e / 4) + c0 + e % 2) * kOStride + 64 * blk + r0 + 8 * half_of(e)] = acc[blk][e] * inv_l[col_slot(e)];
+  }  // compute warps
+  if constexpr (kCluster > 1) cluster_sync(); else __syncthreads();
+
+  // Reduce this CTA's column slice over the cluster: per query column, the CTAs' weights (one
+  // thread a column), then the weighted sums from every CTA's staged output.
+  constexpr int kSlice = kC / kCluster, kQuads = kSlice / 4;
+  const int rank = kCluster > 1 ? static_cast<int>(cluster_rank()) : 0;
+  const int clusters = a.splits / kCluster, cluster_id = split / kCluster;
+  const bool direct = clusters == 1;
+  float* weight_s = reinterpret_cast<float*>(smem + L::weight);
+  float* row_lse_s = reinterpret_cast<float*>(smem + L::row_lse);
+  const int64_t part0 = static_cast<int64_t>(b) * rows;  // this request's first pair in the partials
+  const int64_t pairs = static_cast<int64_t>(a.batch) * rows;
+  if (tid < kNR) {
+    float w[kCluster], top = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kCluster; ++j) {
+      w[j] = kCluster > 1 ? ld_peer(peer_addr(base + L::lse + 4 * tid, j)) : lse_s[tid];
+      top = fmaxf(top, w[j]);
+    }
+    float wsum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kCluster; ++j) {
+      w[j] = top > -INFINITY ? fast_exp2(w[j] - top) : 0.f;
+      wsum += w[j];
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+#pragma unroll
+    for (int j = 0; j < kCluster; ++j) weight_s[tid * 8 + j] = w[j] * inv;
+    const float lse = wsum > 0.f ? (top + log2f(wsum)) * 0.6931471805599453f : -INFINITY;
+    row_lse_s[tid] = lse;
+    if (!direct && rank == 0 && tid < rows) a.lse_part[cluster_id * pairs + part0 + tid] = lse;
+  }
+  __syncthreads();
+  auto write_out = [&](int n, int col, float4 o, float lse) {
+    const int64_t orow = static_cast<int64_t>(b) * a.tokens + n / a.heads;
+    __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(a.out) + orow * a.out_row + (n % a.heads) * a.out_head + col;
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16(o.x, o.y), pack_bf16(o.z, o.w));
+    if (col == 0) a.lse[orow * a.lse_row + n % a.heads] = lse;
+  };
+  uint32_t peer_base[kCluster];
+#pragma unroll
+  for (int j = 0; j < kCluster; ++j) peer_base[j] = kCluster > 1 ? peer_addr(base + L::kv, j) : base + L::kv;
+  for (int u = tid; u < kNR * kQuads; u += kThreads) {
+    const int n = u / kQuads, col = rank * kSlice + 4 * (u % kQuads);
+    const uint32_t off = 4u * (n * kOStride + col);
+    float4 v[kCluster];
+#pragma unroll
+    for (int j = 0; j < kCluster; ++j)
+      v[j] = kCluster > 1 ? ld_peer4(peer_base[j] + off) : *reinterpret_cast<const float4*>(smem + L::kv + off);
+    if (n >= rows) continue;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < kCluster; ++j) {  // a zero weight (a split that saw nothing) adds nothing, even NaN
+      const float w = weight_s[n * 8 + j];
+      if (w > 0.f) o.x += w * v[j].x, o.y += w * v[j].y, o.z += w * v[j].z, o.w += w * v[j].w;
+    }
+    if (direct)
+      write_out(n, col, o, row_lse_s[n]);
+    else
+      *reinterpret_cast<float4*>(a.o_part + (cluster_id * pairs + part0 + n) * kC + col) = o;
+  }
+
+  if constexpr (kCluster > 1) cluster_sync();  // no CTA leaves while a peer still reads its shared memory
+#else
+  __trap();  // built for sm_90a only (the host side refuses other devices)
+#endif
+}
+
+template <int kNR, int kCluster>
+void launch(const VerifyClusterArgs& a, cudaStream_t stream) {
+  const VerifyMaps m = verify_maps(a, kNR / a.heads);
+  ClusterLaunch l(decode_cluster_kernel<kNR, kCluster>, kCluster, dim3(a.splits, a.batch), kThreads,
+                  Layout<kNR>::bytes, stream);
+  check(cudaLaunchKernelEx(&l.cfg, decode_cluster_kernel<kNR, kCluster>, m.q, m.rope, m.kv, m.kv8, a), "launch");
+}
+
+template <int kNR>
+void launch_rows(const VerifyClusterArgs& a, cudaStream_t stream) {
+  switch (a.cluster) {
+    case 1: return launch<kNR, 1>(a, stream);
+    case 2: return launch<kNR, 2>(a, stream);
+    case 4: return launch<kNR, 4>(a, stream);
+    case 8: return launch<kNR, 8>(a, stream);
+    default: throw std::invalid_argument("mla_decode_cluster: cluster must be 1, 2, 4 or 8");
+  }
+}
+
+template <int kNR>
+int active_rows(int cluster) {
+  switch (cluster) {
+    case 1: return max_active_clusters(decode_cluster_kernel<kNR, 1>, 1, kThreads, Layout<kNR>::bytes);
+    case 2: return max_active_clusters(decode_cluster_kernel<kNR, 2>, 2, kThreads, Layout<kNR>::bytes);
+    case 4: return max_active_clusters(decode_cluster_kernel<kNR, 4>, 4, kThreads, Layout<kNR>::bytes);
+    case 8: return max_active_clusters(decode_cluster_kernel<kNR, 8>, 8, kThreads, Layout<kNR>::bytes);
+    default: throw std::invalid_argument("mla_decode_cluster: cluster must be 1, 2, 4 or 8");
+  }
+}
+
+}  // namespace
+
+int mla_decode_cluster_max_active(int cluster, int rows_per_request) {
+  return rows_per_request <= 8 ? active_rows<8>(cluster) : active_rows<16>(cluster);
+}
+
+void mla_decode_cluster(const VerifyClusterArgs& a, void* stream) {
+  const int rows = a.tokens * a.heads, nr = rows <= 8 ? 8 : 16;
+  if (a.heads < 1 || rows > 16 || nr % a.heads != 0 || a.cluster < 1 || a.splits % a.cluster != 0)
+    throw std::invalid_argument("mla_decode_cluster: <= 16 rows per request, heads dividing 8 or 16, cluster dividing splits");
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (nr == 8) return launch_rows<8>(a, s);
+  return launch_rows<16>(a, s);
+}
+
+}  // namespace ddtree::attn

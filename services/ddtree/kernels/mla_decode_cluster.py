@@ -1,0 +1,128 @@
+"""Verify attention for requests of <= 16 query rows (decode; 2-token chains at h 8) on Hopper
+thread-block clusters: the CUDA C++ kernel of csrc/attn/mla_decode_cluster.cu
+(ddtree._C.mla_decode_cluster).
+
+The transposed scheme of mla_decode_wgmma (keys on the wgmma M side, 8 or 16 query columns a CTA),
+with a request's splits grouped in a cluster that reduces their partial outputs over distributed
+shared memory, so a request served by one cluster is written in one launch, without the fp32
+partials and the merge launch of the Gluon kernel. Configs of more than one cluster a request
+write one partial per cluster, merged by merge_splits. Same contract as mla_verify_attention_wgmma.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from .mla_verify_cluster import CLUSTERS, KEY_TILE, cluster_verify_supported
+from .mla_verify_triton import _LOG2E, merge_splits
+from .validate import checked_call
+
+MAX_ROWS = 16  # rows per request: the kernel's query columns are 8 or 16
+# A merge launch (and the partials it reads) costs about this many KV tiles of a CTA's loop
+# (~1.2-2 us each): H200, graph replay, 2026-12-01 (`bench_verify_attn.py --decode-clusters`):
+# B 1 x h 8 at 1k, one cluster of 8 (3 tiles a CTA) 10.8 us against 17 single CTAs and a merge
+# 12.2; at 8k 128 single CTAs and a merge 11.6 against 26.8 for one cluster of 8 (17 tiles a CTA).
+MERGE_COST_TILES = 2.0
+
+
+def _native():
+    from ddtree.native import load
+    return load()
+
+
+def rows_tile(rows_per_request: int) -> int:
+    """The kernel's query columns for this many rows per request: 8 or 16."""
+    return 8 if rows_per_request <= 8 else 16
+
+
+def decode_cluster_supported(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                             rows_per_request: int) -> bool:
+    """cluster_verify_supported's inputs with 1-16 rows per request and a head count dividing the
+    kernel's query columns (8 or 16): each request's Q is one TMA box of whole tokens."""
+    heads = q_latent.shape[1] if q_latent.dim() == 3 else 0
+    return (1 <= rows_per_request <= MAX_ROWS and heads >= 1 and rows_tile(rows_per_request) % heads == 0
+            and cluster_verify_supported(q_latent, q_rope, cache, rows_per_request))
+
+
+@functools.cache
+def max_active_clusters(device_index: int, cluster: int, rows_per_request: int) -> int:
+    """Clusters of `cluster` CTAs of the decode kernel that run at once on the device (one CTA per
+    SM: ~170 KB of shared memory each)."""
+    with torch.cuda.device(device_index):
+        return _native().mla_decode_cluster_max_active(cluster, rows_tile(rows_per_request))
+
+
+def decode_config(rows_per_request: int, batch: int, max_kv_len: int, device_index: int,
+                  cluster: int | None = None) -> tuple[int, int]:
+    """(splits, cluster). Two candidates: one cluster per request, of the largest size whose
+    clusters for the batch run in one wave (no merge); and single CTAs, as many per request as fill
+    one wave (merged by a second launch). The one whose CTAs read fewer KV tiles, the merge
+    counted as MERGE_COST_TILES, wins; ties go to the cluster. `cluster` forces one cluster of that
+    size per request. More requests than one wave of CTAs: one CTA each."""
+    tiles = triton.cdiv(max(max_kv_len, 1), KEY_TILE)
+    if cluster:
+        return cluster, cluster
+    direct = next((c for c in CLUSTERS[::-1]
+                   if c <= tiles and batch <= max_active_clusters(device_index, c, rows_per_request)), None)
+    splits = min(max_active_clusters(device_index, 1, rows_per_request) // batch, tiles)
+    if direct is None and splits <= 1:
+        return 1, 1
+    direct_cost = triton.cdiv(tiles, direct) if direct else float("inf")
+    if splits > 1 and triton.cdiv(tiles, splits) + MERGE_COST_TILES < direct_cost:
+        return splits, 1
+    return direct, direct
+
+
+def mla_decode_attention_cluster(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    mask: torch.Tensor,
+    softmax_scale: float,
+    *,
+    config: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    check_values: bool = False,
+    tail_mask: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as mla_verify_triton.mla_verify_attention_triton, for inputs that
+    `decode_cluster_supported` accepts (ValueError otherwise). config: (splits, cluster), default
+    `decode_config`; cluster in CLUSTERS dividing splits. More than one cluster per request writes
+    one fp32 partial per cluster, merged by a second launch (merge_splits)."""
+    b, t, heads, c, _, out, lse = checked_call(
+        decode_cluster_supported, "the cluster decode kernel needs sm_90, C 512, R 64, <= 16 rows per request, a "
+        "head count dividing 8 or 16, 16-byte aligned Q rows and packed pages of a power-of-two size >= 16",
+        q_latent, q_rope, cache, block_table, prefix_lens, mask, out, lse, check_values)
+    rows, device = b * t, q_latent.device
+    if config is None:
+        config = decode_config(t * heads, b, block_table.shape[1] * cache.shape[1], device.index or 0)
+    splits, cluster = config
+    if cluster not in CLUSTERS or splits < 1 or splits % cluster:
+        raise ValueError(f"config (splits, cluster) needs cluster in {CLUSTERS} dividing splits; got {config}")
+    if out.stride(2) != 1 or out.stride(0) % 4 or out.stride(1) % 4 or out.data_ptr() % 8 or lse.stride(1) != 1:
+        raise ValueError(f"out needs its last dim contiguous and 8-byte aligned rows and heads (strides "
+                         f"{out.stride()}), lse its last dim contiguous (strides {lse.stride()})")
+    mask64 = (mask.view(torch.int64) if mask.dtype == torch.uint64 else mask).contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    prefix = prefix_lens.to(torch.int64).contiguous()
+    clusters = splits // cluster
+    o_part = lse_part = None
+    if clusters > 1:
+        o_part = torch.empty(clusters, rows * heads, c, dtype=torch.float32, device=device)
+        lse_part = torch.empty(clusters, rows * heads, dtype=torch.float32, device=device)
+    strides = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(1),
+               table.stride(0), out.stride(0), out.stride(1), lse.stride(0))
+    _native().mla_decode_cluster(
+        q_latent.data_ptr(), q_rope.data_ptr(), cache.data_ptr(), table.data_ptr(), prefix.data_ptr(),
+        mask64.data_ptr(), out.data_ptr(), lse.data_ptr(), 0 if o_part is None else o_part.data_ptr(),
+        0 if lse_part is None else lse_part.data_ptr(), strides, b, t, heads, mask64.shape[-1], cache.shape[1],
+        table.shape[1], cache.shape[0], splits, cluster, softmax_scale * _LOG2E, tail_mask,
+        torch.cuda.current_stream(device).cuda_stream)
+    if clusters > 1:
+        merge_splits(o_part, lse_part, out, lse, heads)
+    return out, lse

@@ -1,0 +1,143 @@
+"""The thread-block-cluster decode kernel (csrc/attn/mla_decode_cluster.cu, <= 16 rows per request)
+against the float64 torch reference.
+
+On an sm_90 GPU: decode and 2-token chains over the issue's prefixes and page sizes, every cluster
+size, one and many clusters per request (merged by a second launch), empty splits, partial last
+tiles, stale cache rows, a row that sees nothing, bad table entries. Anywhere: the config rule and the errors for inputs it does not take.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verify_attn_inputs import check_against_reference, poison_invisible_rows
+from verify_attn_inputs import hopper_inputs as inputs_for
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+C, R = 512, 64
+gpu = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+
+
+def kernel():
+    from ddtree.kernels.mla_decode_cluster import mla_decode_attention_cluster
+    return mla_decode_attention_cluster
+
+
+# Decode (8 / 16 rows) and 2-token chains at h 8 (16 rows), B 1 and ragged B 3.
+CASES = [(t, h, prefixes, ps) for t, h in ((1, 8), (1, 16), (2, 8))
+         for prefixes in ([8191], [0, 1, 63], [64, 1000, 8191]) for ps in (16, 64)]
+
+
+@gpu
+@pytest.mark.parametrize("tail,heads,prefixes,page_size", CASES)
+def test_matches_float64_reference(tail, heads, prefixes, page_size):
+    inputs = inputs_for(prefixes, tail, heads, page_size, "chain", hash((tail, heads, tuple(prefixes), page_size)) % 2**31)
+    check_against_reference(kernel(), inputs, scale=(C + R) ** -0.5)
+
+
+CONFIGS = [(1, 1), (2, 2), (8, 8), (16, 4), (40, 8), (66, 2), (6, 1), (64, 8)]
+
+
+@gpu
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("tail,heads", [(1, 8), (1, 16)])
+def test_cluster_sizes_and_split_counts_agree_with_reference(config, tail, heads):
+    """Every cluster size; one and several clusters a request (merged by a second launch); splits
+    past the tiles a request has (empty CTAs: the 3-key request has one tile)."""
+    inputs = inputs_for([1000, 3, 130], tail, heads, 16, "chain", 7)
+    check_against_reference(kernel(), inputs, scale=0.3, config=config)
+
+
+@gpu
+@pytest.mark.parametrize("prefix", [1024, 1087, 1088, 8191])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_partial_last_tiles_read_whole_groups_only(prefix, page_size):
+    """A last tile of 1, 64, 0 (a whole tile) or 8 keys: only its 8-row groups with keys are
+    copied; the rows after them hold the buffer's previous tile (or nothing), never seen."""
+    inputs = inputs_for([prefix, prefix + 5], 1, 8, page_size, "chain", prefix)
+    for config in ((1, 1), (2, 2), (3, 1)):
+        check_against_reference(kernel(), inputs, scale=0.2, config=config)
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_rows_past_the_sequence_never_leak(page_size):
+    """Cache rows that are not visible keys are NaN; the output must match the clean reference."""
+    from ddtree.models.mla_attention import mla_verify_attention_reference
+    prefixes = [1000, 3, 130]
+    q_latent, q_rope, cache, table, prefix, mask = inputs_for(prefixes, 2, 8, page_size, "chain", 5)
+    want, want_lse = mla_verify_attention_reference(q_latent.double(), q_rope.double(), cache.double(), table,
+                                                    prefix, mask, 0.1)
+    poisoned = poison_invisible_rows(cache, table, prefixes, 2, page_size)
+    for config in ((1, 1), (8, 4), (16, 8)):
+        got, got_lse = kernel()(q_latent, q_rope, poisoned, table, prefix, mask, 0.1, config=config)
+        assert got.isfinite().all() and got_lse.isfinite().all()
+        assert (got.double() - want).norm() / want.norm() <= 1e-2
+        assert (got_lse.double() - want_lse.double()).abs().max() <= 2e-2
+
+
+@gpu
+def test_row_that_sees_nothing_gives_zero_and_minus_inf():
+    inputs = list(inputs_for([0, 70], 2, 8, 16, "chain", 3))
+    inputs[5] = inputs[5].clone()
+    inputs[5][0, 1] = 0  # request 0 (no prefix), tail row 1: sees no key at all
+    for config in ((1, 1), (2, 2), (4, 2)):
+        out, lse = kernel()(*inputs, 0.2, config=config)
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and bool((lse[1] == float("-inf")).all())
+        assert out[2:].isfinite().all() and lse[2:].isfinite().all()
+
+
+@gpu
+def test_bad_table_entries_never_fault():
+    """Page ids past the cache or negative are clamped (wrong rows, finite numbers), never an
+    out-of-bounds read (run under compute-sanitizer memcheck on the device)."""
+    q_latent, q_rope, cache, table, prefix, mask = inputs_for([200, 70], 1, 16, 16, "chain", 9)
+    table = table.clone()
+    table[0, 3], table[1, 0] = 10**6, -5
+    out, lse = kernel()(q_latent, q_rope, cache, table, prefix, mask, 0.1, config=(4, 2))
+    assert out.isfinite().all() and lse.isfinite().all()
+
+
+def test_config_prefers_one_cluster_a_request_unless_a_merge_reads_fewer_tiles(monkeypatch):
+    """One cluster per request of the largest size that runs in one wave, against single CTAs
+    filling the wave plus a merge (MERGE_COST_TILES); ties to the cluster."""
+    import ddtree.kernels.mla_decode_cluster as m
+    active = {1: 132, 2: 66, 4: 30, 8: 15}  # the H200's
+    monkeypatch.setattr(m, "max_active_clusters", lambda device, c, rows: active[c])
+    monkeypatch.setattr(m, "MERGE_COST_TILES", 2.0)
+    assert m.decode_config(8, 64, 1025, 0) == (2, 2)      # 9 tiles a CTA, against 9 + 2
+    assert m.decode_config(8, 16, 1025, 0) == (4, 4)      # 5 against 3 + 2: a tie
+    assert m.decode_config(8, 1, 1025, 0) == (8, 8)       # 3 against 1 + 2
+    assert m.decode_config(8, 1, 8193, 0) == (129, 1)     # 17 against 1 + 2
+    assert m.decode_config(8, 16, 8193, 0) == (8, 1)      # 33 against 17 + 2
+    assert m.decode_config(8, 128, 1025, 0) == (1, 1)     # one CTA a request, no merge
+    assert m.decode_config(8, 200, 8193, 0) == (1, 1)     # past one wave
+    assert m.decode_config(8, 1, 64, 0) == (1, 1)         # one tile
+    assert m.decode_config(8, 1, 8193, 0, cluster=4) == (4, 4)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if SM90 else []))
+def test_inputs_it_does_not_take_are_value_errors(device):
+    """CPU tensors, more than 16 rows, a head count that does not divide the query columns, configs
+    that are not cluster sizes or merges."""
+    inputs = inputs_for([70], 1, 8, 16, "chain", 1, device=device)
+    if device == "cpu":
+        with pytest.raises(ValueError, match="cluster decode kernel needs sm_90"):
+            kernel()(*inputs, 0.1)
+        return
+    with pytest.raises(ValueError, match="<= 16 rows per request"):
+        kernel()(*inputs_for([70], 4, 8, 16, "chain", 1), 0.1)
+    with pytest.raises(ValueError, match="dividing 8 or 16"):
+        kernel()(*inputs_for([70], 1, 12, 16, "chain", 1), 0.1)
+    for config in ((3, 3), (6, 4), (0, 1)):
+        with pytest.raises(ValueError, match="cluster in"):
+            kernel()(*inputs, 0.1, config=config)
+
+
+@gpu
+def test_misaligned_out_is_a_value_error():
+    inputs = inputs_for([70], 1, 8, 16, "chain", 1)
+    wide = torch.empty(1, 8, 514, dtype=torch.bfloat16, device="cuda")[..., 1:513]  # 2-byte aligned rows
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        kernel()(*inputs, 0.1, out=wide)
+
