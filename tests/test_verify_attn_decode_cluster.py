@@ -141,3 +141,41 @@ def test_misaligned_out_is_a_value_error():
     with pytest.raises(ValueError, match="8-byte aligned"):
         kernel()(*inputs, 0.1, out=wide)
 
+
+def test_dispatcher_sends_decode_batches_of_one_cluster_of_two_here(monkeypatch):
+    """Without a GPU (support checks stubbed, the H200's cluster occupancy): <= 16 rows per request
+    whose config is one cluster of 2 per request filling more than half the device run here; other
+    batches, trees, calls without the table's length and DDTREE_VERIFY_ATTN=wgmma do not."""
+    pytest.importorskip("triton.experimental.gluon")
+    import ddtree.kernels.mla_decode_cluster as decode
+    from ddtree.kernels import dispatch
+    active = {1: 132, 2: 66, 4: 30, 8: 15}
+    monkeypatch.setattr(dispatch, "triton_verify_supported", lambda q, r, c: True)
+    monkeypatch.setattr(dispatch, "wgmma_verify_wanted", lambda q, r, c, rows: rows >= 1)
+    monkeypatch.setattr(dispatch, "cluster_verify_wanted", lambda q, r, c, batch, rows: False)
+    monkeypatch.setattr(decode, "decode_cluster_supported", lambda q, r, c, rows: True)
+    monkeypatch.setattr(decode, "max_active_clusters", lambda device, c, rows: active[c])
+
+    def choice(batch, tail, keys=1025):
+        q = torch.zeros(batch * tail, 8, 4)
+        return dispatch.verify_kernel(q, q, q, torch.zeros(batch, tail, 1), keys)[0]
+    assert choice(64, 1) == "clusterT" and choice(48, 1) == "clusterT" and choice(64, 2) == "clusterT"
+    assert choice(64, 1, 32768) == "clusterT"
+    assert choice(16, 1) == "wgmma" and choice(32, 1) == "wgmma"  # (4, 4) / (4, 1) configs
+    assert choice(1, 1) == "wgmma" and choice(128, 1) == "wgmma"
+    assert choice(64, 4) == "wgmma"  # 32 rows a request
+    q = torch.zeros(64, 8, 4)
+    assert dispatch.verify_kernel(q, q, q, torch.zeros(64, 1, 1))[0] == "wgmma"  # no table length given
+    monkeypatch.setenv("DDTREE_VERIFY_ATTN", "wgmma")
+    assert choice(64, 1) == "wgmma"
+
+
+@gpu
+def test_model_path_runs_the_cluster_decode_kernel():
+    from ddtree.kernels.dispatch import verify_kernel
+    from ddtree.models.mla_attention import mla_verify_attention, mla_verify_attention_reference
+    inputs = inputs_for([1000 + 7 * i for i in range(64)], 1, 8, 16, "chain", 12)
+    assert verify_kernel(inputs[0], inputs[1], inputs[2], inputs[5], inputs[3].shape[1] * 16)[0] == "clusterT"
+    out, _ = mla_verify_attention(*inputs, 0.1)
+    want, _ = mla_verify_attention_reference(*[x.double() if x.is_floating_point() else x for x in inputs], 0.1)
+    assert (out.double() - want).norm() / want.norm() <= 1e-2

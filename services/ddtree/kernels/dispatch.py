@@ -1,6 +1,7 @@
 """Which verify-attention implementation runs: on sm_90 the cluster kernel (CUDA C++) for trees
-with few row blocks and the Hopper wgmma kernel (Gluon) for the rest, the Triton kernel where
-those do not apply, else torch. DDTREE_VERIFY_ATTN=torch forces the reference, =triton the Triton
+with few row blocks, the cluster decode kernel (CUDA C++) for decode batches it serves with one
+cluster of 2 CTAs per request, and the Hopper wgmma kernel (Gluon) for the rest, the Triton kernel
+where those do not apply, else torch. DDTREE_VERIFY_ATTN=torch forces the reference, =triton the Triton
 kernel, =wgmma the Gluon kernel for every row count (A/B comparisons, debugging)."""
 from __future__ import annotations
 
@@ -75,11 +76,32 @@ def cluster_verify_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: t
     return cluster_verify_supported(q_latent, q_rope, cache, rows_per_request)
 
 
+def decode_cluster_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, batch: int,
+                          rows_per_request: int, max_kv_len: int) -> bool:
+    """For inputs the wgmma kernel takes: True where the cluster decode kernel (CUDA C++) serves
+    them instead: <= FEW_ROWS rows per request (decode, 2-token chains at h 8) whose config is one
+    cluster of 2 CTAs per request (no merge launch) and those CTAs fill more than half the device,
+    unless DDTREE_VERIFY_ATTN=wgmma. H200, graph replay, side by side (2026-12-01,
+    `bench_verify_attn.py --decode-clusters`): B 48 and 64 x (h 8, h 16, 2 x h 8) at 1k / 8k / 32k
+    0.92-0.99x the Gluon kernel's time (B 64 x h 8 at 1k 28.0 against 28.9 us); at B 1, 16 and 32
+    (other configs) the Gluon kernel was faster, at B 128 (one CTA a request) equal to 4% faster."""
+    from .mla_verify_wgmma import FEW_ROWS
+    if os.environ.get("DDTREE_VERIFY_ATTN", "auto") == "wgmma" or not 1 <= rows_per_request <= FEW_ROWS:
+        return False
+    from . import mla_decode_cluster as decode
+    if not decode.decode_cluster_supported(q_latent, q_rope, cache, rows_per_request):
+        return False
+    device = q_latent.device.index or 0
+    return (decode.decode_config(rows_per_request, batch, max_kv_len, device) == (2, 2)
+            and 2 * 2 * batch > decode.max_active_clusters(device, 1, rows_per_request))
+
+
 def verify_kernel(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
-                  mask: torch.Tensor) -> tuple[str, Callable] | None:
+                  mask: torch.Tensor, max_kv_len: int | None = None) -> tuple[str, Callable] | None:
     """The kernel models.mla_attention.mla_verify_attention runs for these inputs: ("cluster",
-    fn), ("wgmma", fn), ("triton", fn), or None for the torch reference. Inputs of a wrong rank go
-    to the Triton kernel, whose validation says what is wrong."""
+    fn), ("clusterT", fn: the cluster decode kernel, considered when `max_kv_len`, the block table's
+    keys per request, is given), ("wgmma", fn), ("triton", fn), or None for the torch reference.
+    Inputs of a wrong rank go to the Triton kernel, whose validation says what is wrong."""
     if not triton_verify_supported(q_latent, q_rope, cache):
         return None
     shaped = isinstance(mask, torch.Tensor) and mask.dim() == 3 and q_latent.dim() == 3
@@ -88,6 +110,10 @@ def verify_kernel(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Ten
         if cluster_verify_wanted(q_latent, q_rope, cache, mask.shape[0], rows_per_request):
             from .mla_verify_cluster import mla_verify_attention_cluster
             return "cluster", mla_verify_attention_cluster
+        if max_kv_len is not None and decode_cluster_wanted(q_latent, q_rope, cache, mask.shape[0],
+                                                            rows_per_request, max_kv_len):
+            from .mla_decode_cluster import mla_decode_attention_cluster
+            return "clusterT", mla_decode_attention_cluster
         from .mla_verify_wgmma import mla_verify_attention_wgmma
         return "wgmma", mla_verify_attention_wgmma
     from .mla_verify_triton import mla_verify_attention_triton
