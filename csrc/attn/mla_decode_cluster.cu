@@ -6,15 +6,15 @@
 // - scores^T [64 keys, NR] = K Q^T (wgmma m64nNRk16; A the KV tile, B Q, both K-major),
 // - out^T [512, NR] += V^T P^T (A the same KV tile read M-major, B P^T written to shared memory),
 // with the softmax statistics along the keys (a reduction across the warpgroup's warps). One
-// warpgroup does it all; KV tiles come by TMA, two in flight.
+// warpgroup computes; a producer warp issues the TMA copies of the KV tiles, two in flight.
 //
 // What is new is the end: where the Gluon kernel writes one fp32 partial per split and a second
 // launch merges them, the `cluster` CTAs of a cluster hold consecutive splits of one request and
 // reduce over distributed shared memory (CTA k owns output columns [k * 512 / cluster, (k + 1) *
 // 512 / cluster)); a request served by one cluster is written directly. With more clusters per
-// request each cluster writes one fp32 partial, merged by merge_splits. Also: a producer warp issues
-// the TMA copies (see kThreads), and a sequence's partial last tile reads only its 8-row groups
-// that hold keys (issue_kv_tile).
+// request each cluster writes one fp32 partial, merged by merge_splits. Also: the producer warp (see
+// kThreads), and a sequence's partial last tile reads only its 8-row groups that hold keys
+// (issue_kv_tile).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -46,7 +46,7 @@ struct Layout {
   static constexpr uint32_t lse = red_l + 4 * kNR * 4;              // [NR] this CTA's log-sum-exp, log2 units
   static constexpr uint32_t weight = lse + kNR * 4;                 // [NR][8] weights of the cluster's CTAs
   static constexpr uint32_t row_lse = weight + kNR * 8 * 4;         // [NR] the cluster's log-sum-exp, natural log
-  static constexpr uint32_t bar = row_lse + kNR * 4;                        // kQFull, kKvFull + stage, kKvFree + stage
+  static constexpr uint32_t bar = row_lse + kNR * 4;                // kQFull, kKvFull + stage, kKvFree + stage
   static constexpr uint32_t bytes = bar + 8 * (1 + 2 * kStages) + 1024;  // + alignment slack
   static_assert(kNR * kOStride * 4 <= kTileBytes, "the staged output fits KV buffer 0");
   static_assert(bytes <= 227 * 1024, "one CTA per SM");
@@ -172,25 +172,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         fence_proxy_async();
         named_sync(1, kCompute);
       }
-      // Three independent accumulators (chunks j = 0, 1, 2 mod 3), issued in turn: one chain of 36
-      // small wgmmas would wait out each one's latency.
-      float s[kAcc], s1[kAcc], s2[kAcc];
+      float s[kAcc];  // one chain: three independent ones measured the same (.diag/s22/chains.py)
       const uint64_t k_desc = sw128_desc(kv);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
+      for (int j = 0; j < kChunks; ++j)
 #pragma unroll
-        for (int j = 0; j < kChunks; j += 3) {
-          const uint64_t a_step = (j * kChunkBytes + kk * 32) >> 4, b_step = (j * kNR * 128 + kk * 32) >> 4;
-          const bool acc_on = kk > 0 || j > 0;
-          wgmma_n<0>(s, k_desc + a_step, q_desc + b_step, acc_on);
-          wgmma_n<0>(s1, k_desc + a_step + (kChunkBytes >> 4), q_desc + b_step + ((kNR * 128) >> 4), acc_on);
-          wgmma_n<0>(s2, k_desc + a_step + ((2 * kChunkBytes) >> 4), q_desc + b_step + ((2 * kNR * 128) >> 4), acc_on);
-        }
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_n<0>(s, k_desc + ((j * kChunkBytes + kk * 32) >> 4), q_desc + ((j * kNR * 128 + kk * 32) >> 4),
+                     j > 0 || kk > 0);
       wgmma_commit();
       wgmma_wait_all();
-#pragma unroll
-      for (int e = 0; e < kAcc; ++e) s[e] += s1[e] + s2[e];
 
       if (tile >= full_hi) {  // a tile touching the tail: bitmask for tail keys, nothing past it
         uint64_t vis[kSlots];
