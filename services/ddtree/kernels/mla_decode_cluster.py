@@ -23,7 +23,7 @@ MAX_ROWS = 16  # rows per request: the kernel's query columns are 8 or 16
 # A merge launch (and the partials it reads) costs about this many KV tiles of a CTA's loop
 # (~1.2-2 us each): H200, graph replay, 2026-12-01 (`bench_verify_attn.py --decode-clusters`):
 # B 1 x h 8 at 1k, one cluster of 8 (3 tiles a CTA) 10.8 us against 17 single CTAs and a merge
-# 12.2; at 8k 128 single CTAs and a merge 11.6 against 26.8 for one cluster of 8 (17 tiles a CTA).
+# 12.2; at 8k 129 single CTAs and a merge 11.6 against 26.8 for one cluster of 8 (17 tiles a CTA).
 MERGE_COST_TILES = 2.0
 
 
