@@ -15,8 +15,7 @@ import functools
 import torch
 import triton
 
-from .mla_verify_cluster import CLUSTERS, KEY_TILE, cluster_verify_supported
-from .mla_verify_triton import _LOG2E, merge_splits
+from .mla_verify_cluster import CLUSTERS, KEY_TILE, _native, cluster_verify_supported, launch_cluster_kernel
 from .validate import checked_call
 
 MAX_ROWS = 16  # rows per request: the kernel's query columns are 8 or 16
@@ -25,11 +24,6 @@ MAX_ROWS = 16  # rows per request: the kernel's query columns are 8 or 16
 # B 1 x h 8 at 1k, one cluster of 8 (3 tiles a CTA) 10.8 us against 17 single CTAs and a merge
 # 12.2; at 8k 129 single CTAs and a merge 11.6 against 26.8 for one cluster of 8 (17 tiles a CTA).
 MERGE_COST_TILES = 2.0
-
-
-def _native():
-    from ddtree.native import load
-    return load()
 
 
 def rows_tile(rows_per_request: int) -> int:
@@ -94,35 +88,11 @@ def mla_decode_attention_cluster(
     `decode_cluster_supported` accepts (ValueError otherwise). config: (splits, cluster), default
     `decode_config`; cluster in CLUSTERS dividing splits. More than one cluster per request writes
     one fp32 partial per cluster, merged by a second launch (merge_splits)."""
-    b, t, heads, c, _, out, lse = checked_call(
+    b, t, heads, _, _, out, lse = checked_call(
         decode_cluster_supported, "the cluster decode kernel needs sm_90, C 512, R 64, <= 16 rows per request, a "
         "head count dividing 8 or 16, 16-byte aligned Q rows and packed pages of a power-of-two size >= 16",
         q_latent, q_rope, cache, block_table, prefix_lens, mask, out, lse, check_values)
-    rows, device = b * t, q_latent.device
     if config is None:
-        config = decode_config(t * heads, b, block_table.shape[1] * cache.shape[1], device.index or 0)
-    splits, cluster = config
-    if cluster not in CLUSTERS or splits < 1 or splits % cluster:
-        raise ValueError(f"config (splits, cluster) needs cluster in {CLUSTERS} dividing splits; got {config}")
-    if out.stride(2) != 1 or out.stride(0) % 4 or out.stride(1) % 4 or out.data_ptr() % 8 or lse.stride(1) != 1:
-        raise ValueError(f"out needs its last dim contiguous and 8-byte aligned rows and heads (strides "
-                         f"{out.stride()}), lse its last dim contiguous (strides {lse.stride()})")
-    mask64 = (mask.view(torch.int64) if mask.dtype == torch.uint64 else mask).contiguous()
-    table = block_table.to(torch.int32).contiguous()
-    prefix = prefix_lens.to(torch.int64).contiguous()
-    clusters = splits // cluster
-    o_part = lse_part = None
-    if clusters > 1:
-        o_part = torch.empty(clusters, rows * heads, c, dtype=torch.float32, device=device)
-        lse_part = torch.empty(clusters, rows * heads, dtype=torch.float32, device=device)
-    strides = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(1),
-               table.stride(0), out.stride(0), out.stride(1), lse.stride(0))
-    _native().mla_decode_cluster(
-        q_latent.data_ptr(), q_rope.data_ptr(), cache.data_ptr(), table.data_ptr(), prefix.data_ptr(),
-        mask64.data_ptr(), out.data_ptr(), lse.data_ptr(), 0 if o_part is None else o_part.data_ptr(),
-        0 if lse_part is None else lse_part.data_ptr(), strides, b, t, heads, mask64.shape[-1], cache.shape[1],
-        table.shape[1], cache.shape[0], splits, cluster, softmax_scale * _LOG2E, tail_mask,
-        torch.cuda.current_stream(device).cuda_stream)
-    if clusters > 1:
-        merge_splits(o_part, lse_part, out, lse, heads)
-    return out, lse
+        config = decode_config(t * heads, b, block_table.shape[1] * cache.shape[1], q_latent.device.index or 0)
+    return launch_cluster_kernel(_native().mla_decode_cluster, q_latent, q_rope, cache, block_table, prefix_lens,
+                                 mask, softmax_scale, config, out, lse, tail_mask)

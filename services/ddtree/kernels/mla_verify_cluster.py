@@ -107,13 +107,26 @@ def mla_verify_attention_cluster(
     `cluster_verify_supported` accepts (ValueError otherwise). config: (splits, cluster), default
     `cluster_config`; cluster in CLUSTERS and dividing splits. More than one cluster per row block
     writes one fp32 partial per cluster, merged by a second launch (merge_splits)."""
-    b, t, heads, c, _, out, lse = checked_call(
+    b, t, heads, _, _, out, lse = checked_call(
         cluster_verify_supported, "the cluster kernel needs sm_90, C 512, R 64, a head count dividing 64, 16-byte "
         "aligned Q rows and packed pages of a power-of-two size >= 16", q_latent, q_rope, cache, block_table,
         prefix_lens, mask, out, lse, check_values)
-    rows, device = b * t, q_latent.device
     if config is None:
-        config = cluster_config(t * heads, b, block_table.shape[1] * cache.shape[1], device.index or 0)
+        config = cluster_config(t * heads, b, block_table.shape[1] * cache.shape[1], q_latent.device.index or 0)
+    return launch_cluster_kernel(_native().mla_verify_cluster, q_latent, q_rope, cache, block_table, prefix_lens,
+                                 mask, softmax_scale, config, out, lse, tail_mask)
+
+
+def launch_cluster_kernel(launch, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                          block_table: torch.Tensor, prefix_lens: torch.Tensor, mask: torch.Tensor,
+                          softmax_scale: float, config: tuple[int, int], out: torch.Tensor, lse: torch.Tensor,
+                          tail_mask: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rest of a cluster kernel's entry (this one's and mla_decode_cluster's), after checked_call
+    and the default config: the config's and the outputs' checks (ValueError), the index tensors, the
+    fp32 partials of more than one cluster, `launch` (a ddtree._C entry with mla_verify_cluster's
+    arguments) and the merge launch."""
+    (b, t, _), (rows, heads, c) = mask.shape, q_latent.shape
+    device = q_latent.device
     splits, cluster = config
     if cluster not in CLUSTERS or splits < 1 or splits % cluster:
         raise ValueError(f"config (splits, cluster) needs cluster in {CLUSTERS} dividing splits; got {config}")
@@ -130,7 +143,7 @@ def mla_verify_attention_cluster(
         lse_part = torch.empty(clusters, rows * heads, dtype=torch.float32, device=device)
     strides = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(1),
                table.stride(0), out.stride(0), out.stride(1), lse.stride(0))
-    _native().mla_verify_cluster(
+    launch(
         q_latent.data_ptr(), q_rope.data_ptr(), cache.data_ptr(), table.data_ptr(), prefix.data_ptr(),
         mask64.data_ptr(), out.data_ptr(), lse.data_ptr(), 0 if o_part is None else o_part.data_ptr(),
         0 if lse_part is None else lse_part.data_ptr(), strides, b, t, heads, mask64.shape[-1], cache.shape[1],
