@@ -11,7 +11,8 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from verify_attn_inputs import check_against_reference, poison_invisible_rows  # noqa: E402
+from verify_attn_inputs import (check_against_reference, check_bad_table_entries_never_fault,  # noqa: E402
+                                check_row_that_sees_nothing, check_stale_rows_never_leak)
 from verify_attn_inputs import hopper_inputs as inputs_for  # noqa: E402
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -61,46 +62,22 @@ def test_few_rows_tiles_and_split_counts_agree_with_reference(tile, splits):
 @gpu
 @pytest.mark.parametrize("tail,heads", [(8, 16), (2, 8)])  # 128 rows; 16 rows (the transposed kernel)
 def test_row_that_sees_nothing_gives_zero_and_minus_inf(tail, heads):
-    inputs = list(inputs_for([0, 70], tail, heads, 16, "chain", 3))
-    inputs[5] = inputs[5].clone()
-    inputs[5][0, 1] = 0  # request 0 (no prefix), tail row 1: sees no key at all
-    for config in ((64, 2, 1), (32, 4, 3)):
-        out, lse = kernel()(*inputs, 0.2, config=config)
-        assert torch.equal(out[1], torch.zeros_like(out[1])) and bool((lse[1] == float("-inf")).all())
-        assert out[2:].isfinite().all() and lse[2:].isfinite().all()
+    check_row_that_sees_nothing(kernel(), tail, heads, ((64, 2, 1), (32, 4, 3)))
 
 
 @gpu
 @pytest.mark.parametrize("tail,heads", [(13, 5), (1, 16)])  # 65 rows; decode (the transposed kernel)
 @pytest.mark.parametrize("page_size", [16, 64, 128])
 def test_rows_past_the_sequence_never_leak(page_size, tail, heads):
-    """TMA copies whole boxes: the last tile's rows past a request's keys (and any page its table
-    points at beyond them) come from stale cache rows. Every cache row that is not a visible key
-    is NaN here; the output must still match the reference computed on a clean cache."""
-    from ddtree.models.mla_attention import mla_verify_attention_reference
-    prefixes = [1000, 3, 130]
-    kind = "tree" if tail > 1 else "chain"
-    q_latent, q_rope, cache, table, prefix, mask = inputs_for(prefixes, tail, heads, page_size, kind, 5)
-    want, want_lse = mla_verify_attention_reference(q_latent.double(), q_rope.double(), cache.double(), table,
-                                                    prefix, mask, 0.1)
-    poisoned = poison_invisible_rows(cache, table, prefixes, tail, page_size)
-    for config in ((64, 2, 1), (64, 2, 3), (32, 4, 1), (32, 4, 3)):
-        got, got_lse = kernel()(q_latent, q_rope, poisoned, table, prefix, mask, 0.1, config=config)
-        assert got.isfinite().all() and got_lse.isfinite().all()
-        assert (got.double() - want).norm() / want.norm() <= 1e-2
-        assert (got_lse.double() - want_lse.double()).abs().max() <= 2e-2
+    """Stale cache rows (NaN here) past a request's keys must not reach the output."""
+    check_stale_rows_never_leak(kernel(), tail, heads, page_size, "tree" if tail > 1 else "chain",
+                                ((64, 2, 1), (64, 2, 3), (32, 4, 1), (32, 4, 3)))
 
 
 @gpu
 def test_bad_table_entries_never_fault():
-    """Page ids past the cache or negative are clamped (wrong rows, finite numbers), never an
-    out-of-bounds read (run under compute-sanitizer memcheck on the device)."""
     for tail in (8, 1):  # 128 rows; decode (the transposed kernel)
-        q_latent, q_rope, cache, table, prefix, mask = inputs_for([200, 70], tail, 16, 16, "chain", 9)
-        table = table.clone()
-        table[0, 3], table[1, 0] = 10**6, -5
-        out, lse = kernel()(q_latent, q_rope, cache, table, prefix, mask, 0.1)
-        assert out.isfinite().all() and lse.isfinite().all()
+        check_bad_table_entries_never_fault(kernel(), tail, 16)
 
 
 @gpu

@@ -1,4 +1,5 @@
-"""Inputs and the float64 check shared by the verify-attention kernel tests (Triton and wgmma)."""
+"""Inputs, the float64 check and the fault checks shared by the verify-attention kernel tests
+(Triton, wgmma and the cluster kernels)."""
 from __future__ import annotations
 
 import torch
@@ -74,3 +75,42 @@ def check_against_reference(kernel, inputs, scale: float, **kwargs) -> None:
     finite = want_lse.isfinite()
     assert torch.equal(got_lse.isfinite(), finite)
     assert (got_lse[finite].double() - want_lse[finite].double()).abs().max() <= 2e-2
+
+
+def check_stale_rows_never_leak(kernel, tail: int, heads: int, page_size: int, kind: str, configs) -> None:
+    """TMA copies whole boxes: the last tile's rows past a request's keys (and any page its table
+    points at beyond them) come from stale cache rows. With every cache row that is not a visible
+    key NaN, kernel(..., config=c) must give finite outputs matching the float64 reference on the
+    clean cache, for each config (prefixes 1000, 3, 130)."""
+    prefixes = [1000, 3, 130]
+    q_latent, q_rope, cache, table, prefix, mask = hopper_inputs(prefixes, tail, heads, page_size, kind, 5)
+    want, want_lse = mla_verify_attention_reference(q_latent.double(), q_rope.double(), cache.double(), table,
+                                                    prefix, mask, 0.1)
+    poisoned = poison_invisible_rows(cache, table, prefixes, tail, page_size)
+    for config in configs:
+        got, got_lse = kernel(q_latent, q_rope, poisoned, table, prefix, mask, 0.1, config=config)
+        assert got.isfinite().all() and got_lse.isfinite().all()
+        assert (got.double() - want).norm() / want.norm() <= 1e-2
+        assert (got_lse.double() - want_lse.double()).abs().max() <= 2e-2
+
+
+def check_row_that_sees_nothing(kernel, tail: int, heads: int, configs) -> None:
+    """Request 0 (no prefix) with tail row 1 seeing no key: out 0 and lse -inf there, finite
+    elsewhere, for each config."""
+    inputs = list(hopper_inputs([0, 70], tail, heads, 16, "chain", 3))
+    inputs[5] = inputs[5].clone()
+    inputs[5][0, 1] = 0
+    for config in configs:
+        out, lse = kernel(*inputs, 0.2, config=config)
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and bool((lse[1] == float("-inf")).all())
+        assert out[2:].isfinite().all() and lse[2:].isfinite().all()
+
+
+def check_bad_table_entries_never_fault(kernel, tail: int, heads: int, **kwargs) -> None:
+    """Page ids past the cache or negative are clamped (wrong rows, finite numbers), never an
+    out-of-bounds read (the tests run under compute-sanitizer memcheck on the device)."""
+    q_latent, q_rope, cache, table, prefix, mask = hopper_inputs([200, 70], tail, heads, 16, "chain", 9)
+    table = table.clone()
+    table[0, 3], table[1, 0] = 10**6, -5
+    out, lse = kernel(q_latent, q_rope, cache, table, prefix, mask, 0.1, **kwargs)
+    assert out.isfinite().all() and lse.isfinite().all()
