@@ -41,8 +41,8 @@ struct Layout {
   static constexpr uint32_t kv = 0;                                // kStages KV tiles; the staged output after the loop
   static constexpr uint32_t q = kv + kStages * kTileBytes;          // Q [NR, 576]: 9 chunks of [NR, 64], swizzled
   static constexpr uint32_t p = q + kChunks * kNR * 128;            // P^T [NR, 64 keys], swizzled (B of the values)
-  static constexpr uint32_t red = p + kNR * 128;                    // [2][4 warps][NR] column maxima, by tile parity
-  static constexpr uint32_t red_l = red + 2 * 4 * kNR * 4;          // [4 warps][NR] column sums
+  static constexpr uint32_t red = p + kNR * 128;                    // [4 warps][NR] column maxima
+  static constexpr uint32_t red_l = red + 4 * kNR * 4;              // [4 warps][NR] column sums
   static constexpr uint32_t lse = red_l + 4 * kNR * 4;              // [NR] this CTA's log-sum-exp, log2 units
   static constexpr uint32_t weight = lse + kNR * 4;                 // [NR][8] weights of the cluster's CTAs
   static constexpr uint32_t row_lse = weight + kNR * 8 * 4;         // [NR] the cluster's log-sum-exp, natural log
@@ -196,22 +196,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int e = 0; e < kAcc; ++e) s[e] *= a.scale_log2;
       }
-      // Column maxima: this thread's two keys, the 8 lanes of a column, then the 4 warps.
-      float* red_i = red + (i % 2) * 4 * kNR;  // by parity: a warp may write tile i + 1's while others read tile i's
+      // Column maxima: this thread's two keys, the 8 lanes of a column, then the 4 warps. One buffer:
+      // every warp reads tile i's before the P^T barrier below, and writes tile i + 1's after it.
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) {
         float mx = fmaxf(s[4 * (k / 2) + k % 2], s[4 * (k / 2) + 2 + k % 2]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-        if (lane < 4) red_i[warp * kNR + slot_col(k, c0)] = mx;
+        if (lane < 4) red[warp * kNR + slot_col(k, c0)] = mx;
       }
       named_sync(1, kCompute);
       float alpha[kSlots], m_safe[kSlots];
 #pragma unroll
       for (int k = 0; k < kSlots; ++k) {
         const int n = slot_col(k, c0);
-        const float mx = fmaxf(fmaxf(red_i[n], red_i[kNR + n]), fmaxf(red_i[2 * kNR + n], red_i[3 * kNR + n]));
+        const float mx = fmaxf(fmaxf(red[n], red[kNR + n]), fmaxf(red[2 * kNR + n], red[3 * kNR + n]));
         const float m_new = fmaxf(m_run[k], mx);
         m_safe[k] = m_new == -INFINITY ? 0.f : m_new;  // a column that has seen nothing yet
         alpha[k] = fast_exp2(m_run[k] - m_safe[k]);
@@ -283,22 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t part0 = static_cast<int64_t>(b) * rows;  // this request's first pair in the partials
   const int64_t pairs = static_cast<int64_t>(a.batch) * rows;
   if (tid < kNR) {
-    float w[kCluster], top = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < kCluster; ++j) {
-      w[j] = kCluster > 1 ? ld_peer(peer_addr(base + L::lse + 4 * tid, j)) : lse_s[tid];
-      top = fmaxf(top, w[j]);
-    }
-    float wsum = 0.f;
-#pragma unroll
-    for (int j = 0; j < kCluster; ++j) {
-      w[j] = top > -INFINITY ? fast_exp2(w[j] - top) : 0.f;
-      wsum += w[j];
-    }
-    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-#pragma unroll
-    for (int j = 0; j < kCluster; ++j) weight_s[tid * 8 + j] = w[j] * inv;
-    const float lse = wsum > 0.f ? (top + log2f(wsum)) * 0.6931471805599453f : -INFINITY;
+    const float lse = cluster_row_weights<kCluster>(base + L::lse + 4 * tid, weight_s + tid * 8);
     row_lse_s[tid] = lse;
     if (!direct && rank == 0 && tid < rows) a.lse_part[cluster_id * pairs + part0 + tid] = lse;
   }
@@ -340,7 +325,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <int kNR, int kCluster>
 void launch(const VerifyClusterArgs& a, cudaStream_t stream) {
-  const VerifyMaps m = verify_maps(a, kNR / a.heads);
+  const VerifyMaps m = verify_maps(a, kNR / a.heads, true);
   ClusterLaunch l(decode_cluster_kernel<kNR, kCluster>, kCluster, dim3(a.splits, a.batch), kThreads,
                   Layout<kNR>::bytes, stream);
   check(cudaLaunchKernelEx(&l.cfg, decode_cluster_kernel<kNR, kCluster>, m.q, m.rope, m.kv, m.kv8, a), "launch");

@@ -340,22 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* row_lse_s = weight_s + kBlockM;                  // [kRowsPer], natural log
   if (tid < kRowsPer) {
     const int r = rank * kRowsPer + tid;
-    float w[kCluster], top = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < kCluster; ++j) {
-      w[j] = kCluster > 1 ? ld_peer(peer_addr(base + kLse + 4 * r, j)) : lse_s[r];
-      top = fmaxf(top, w[j]);
-    }
-    float wsum = 0.f;
-#pragma unroll
-    for (int j = 0; j < kCluster; ++j) {
-      w[j] = top > -INFINITY ? fast_exp2(w[j] - top) : 0.f;
-      wsum += w[j];
-    }
-    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-#pragma unroll
-    for (int j = 0; j < kCluster; ++j) weight_s[tid * kCluster + j] = w[j] * inv;
-    row_lse_s[tid] = wsum > 0.f ? (top + log2f(wsum)) * 0.6931471805599453f : -INFINITY;
+    row_lse_s[tid] = cluster_row_weights<kCluster>(base + kLse + 4 * r, weight_s + tid * kCluster);
   }
   __syncthreads();
   uint32_t peer_base[kCluster];  // each peer's staged output, in the cluster's shared window
@@ -427,7 +412,7 @@ int mla_verify_cluster_max_active(int cluster) {
 void mla_verify_cluster(const VerifyClusterArgs& a, void* stream) {
   if (a.heads < 1 || kBlockM % a.heads != 0 || a.cluster < 1 || a.splits % a.cluster != 0)
     throw std::invalid_argument("mla_verify_cluster: heads must divide 64 and cluster the splits");
-  const VerifyMaps maps = verify_maps(a, kBlockM / a.heads);
+  const VerifyMaps maps = verify_maps(a, kBlockM / a.heads, false);
   const auto s = static_cast<cudaStream_t>(stream);
   switch (a.cluster) {
     case 1: return launch<1>(a, maps, s);

@@ -123,6 +123,36 @@ __device__ __forceinline__ float fast_exp2(float x) {  // 2^x; -inf -> 0 (as the
   return y;
 }
 
+__device__ __forceinline__ float ld_shared(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+// One row's weights over a cluster's partial results: CTA j's log-sum-exp of the row (log2 units) at
+// the shared address `lse_addr` of its own window gives weights[j] = 2^(lse_j - lse) for the row's
+// log-sum-exp lse over the cluster, which is returned in natural log (-inf, and zero weights, for
+// a row no CTA saw a key of). After a cluster barrier that follows every CTA's write of its lse.
+template <int kCluster>
+__device__ __forceinline__ float cluster_row_weights(uint32_t lse_addr, float* weights) {
+  float w[kCluster], top = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kCluster; ++j) {
+    w[j] = kCluster > 1 ? ld_peer(peer_addr(lse_addr, j)) : ld_shared(lse_addr);
+    top = fmaxf(top, w[j]);
+  }
+  float wsum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kCluster; ++j) {
+    w[j] = top > -INFINITY ? fast_exp2(w[j] - top) : 0.f;
+    wsum += w[j];
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+#pragma unroll
+  for (int j = 0; j < kCluster; ++j) weights[j] = w[j] * inv;
+  return wsum > 0.f ? (top + log2f(wsum)) * 0.6931471805599453f : -INFINITY;
+}
+
 // Where a request's keys live: its block-table row and the cache's paging.
 struct Paging {
   const int32_t* table_row;
@@ -274,12 +304,13 @@ int max_active_clusters(Kernel* kernel, int cluster, int threads, uint32_t smem_
 
 // Tensor maps of a verify call: Q latent and rope as [B*T, H, 512 | 64] in boxes of 64 columns x
 // H heads x `q_tokens` tokens, the cache as [pages * page_size, 576] in boxes of min(page_size, 64)
-// rows x 64 columns.
+// rows x 64 columns, and with `rows8` also in boxes of 8 rows (issue_kv_tile's partial tiles; only
+// the decode kernel copies them: one host-side encode fewer for the tree kernel).
 struct VerifyMaps {
-  CUtensorMap q, rope, kv, kv8;  // kv8: the cache in boxes of 8 rows (issue_kv_tile's partial tiles)
+  CUtensorMap q, rope, kv, kv8;  // kv8: unset without rows8
 };
 template <class Args>
-VerifyMaps verify_maps(const Args& a, cuuint32_t q_tokens) {
+VerifyMaps verify_maps(const Args& a, cuuint32_t q_tokens, bool rows8) {
   const cuuint64_t tokens = static_cast<cuuint64_t>(a.batch) * a.tokens, heads = a.heads;
   const cuuint64_t q_dims[3] = {kC, heads, tokens}, rope_dims[3] = {kR, heads, tokens};
   const cuuint64_t q_strides[2] = {2ull * a.q_lat_head, 2ull * a.q_lat_row};
@@ -289,8 +320,12 @@ VerifyMaps verify_maps(const Args& a, cuuint32_t q_tokens) {
   const cuuint64_t kv_strides[1] = {2ull * a.cache_row};
   const cuuint32_t kv_box[2] = {64, static_cast<cuuint32_t>(a.page_size < kKeyTile ? a.page_size : kKeyTile)};
   const cuuint32_t kv8_box[2] = {64, 8};
-  return {tensor_map(a.q_latent, 3, q_dims, q_strides, q_box), tensor_map(a.q_rope, 3, rope_dims, rope_strides, q_box),
-          tensor_map(a.cache, 2, kv_dims, kv_strides, kv_box), tensor_map(a.cache, 2, kv_dims, kv_strides, kv8_box)};
+  VerifyMaps m{};
+  m.q = tensor_map(a.q_latent, 3, q_dims, q_strides, q_box);
+  m.rope = tensor_map(a.q_rope, 3, rope_dims, rope_strides, q_box);
+  m.kv = tensor_map(a.cache, 2, kv_dims, kv_strides, kv_box);
+  if (rows8) m.kv8 = tensor_map(a.cache, 2, kv_dims, kv_strides, kv8_box);
+  return m;
 }
 
 }  // namespace ddtree::attn::sm90
