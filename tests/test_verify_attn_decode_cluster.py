@@ -36,15 +36,16 @@ def test_matches_float64_reference(tail, heads, prefixes, page_size):
     check_against_reference(kernel(), inputs, scale=(C + R) ** -0.5)
 
 
-CONFIGS = [(1, 1), (2, 2), (8, 8), (16, 4), (40, 8), (66, 2), (6, 1), (64, 8)]
+CONFIGS = [(1, 1), (2, 2), (3, 3), (8, 8), (9, 9), (16, 16), (16, 4), (40, 8), (66, 2), (6, 1), (64, 8), (36, 12)]
 
 
 @gpu
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("tail,heads", [(1, 8), (1, 16)])
 def test_cluster_sizes_and_split_counts_agree_with_reference(config, tail, heads):
-    """Every cluster size; one and several clusters a request (merged by a second launch); splits
-    past the tiles a request has (empty CTAs: the 3-key request has one tile)."""
+    """Cluster sizes 1-16 (odd, past the portable 8 and the largest); one and several clusters a
+    request (merged by a second launch); splits past the tiles a request has (empty CTAs: the 3-key
+    request has one tile)."""
     inputs = inputs_for([1000, 3, 130], tail, heads, 16, "chain", 7)
     check_against_reference(kernel(), inputs, scale=0.3, config=config)
 
@@ -56,7 +57,7 @@ def test_partial_last_tiles_read_whole_groups_only(prefix, page_size):
     """A last tile of 1, 64, 0 (a whole tile) or 8 keys: only its 8-row groups with keys are
     copied; the rows after them hold the buffer's previous tile (or nothing), never seen."""
     inputs = inputs_for([prefix, prefix + 5], 1, 8, page_size, "chain", prefix)
-    for config in ((1, 1), (2, 2), (3, 1)):
+    for config in ((1, 1), (2, 2), (3, 1), (5, 5)):
         check_against_reference(kernel(), inputs, scale=0.2, config=config)
 
 
@@ -64,12 +65,12 @@ def test_partial_last_tiles_read_whole_groups_only(prefix, page_size):
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_rows_past_the_sequence_never_leak(page_size):
     """Cache rows that are not visible keys are NaN; the output must match the clean reference."""
-    check_stale_rows_never_leak(kernel(), 2, 8, page_size, "chain", ((1, 1), (8, 4), (16, 8)))
+    check_stale_rows_never_leak(kernel(), 2, 8, page_size, "chain", ((1, 1), (8, 4), (16, 8), (14, 7)))
 
 
 @gpu
 def test_row_that_sees_nothing_gives_zero_and_minus_inf():
-    check_row_that_sees_nothing(kernel(), 2, 8, ((1, 1), (2, 2), (4, 2)))
+    check_row_that_sees_nothing(kernel(), 2, 8, ((1, 1), (2, 2), (4, 2), (12, 12)))
 
 
 @gpu
@@ -77,18 +78,22 @@ def test_bad_table_entries_never_fault():
     check_bad_table_entries_never_fault(kernel(), 1, 16, config=(4, 2))
 
 
+H200_ACTIVE = {1: 132, 2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15, 9: 9, **{c: 7 for c in range(10, 17)}}
+
+
 def test_config_prefers_one_cluster_a_request_unless_a_merge_reads_fewer_tiles(monkeypatch):
-    """One cluster per request of the largest size that runs in one wave, against single CTAs
-    filling the wave plus a merge (MERGE_COST_TILES); ties to the cluster."""
+    """One cluster per request, of the size that gives each CTA the fewest tiles (the smallest
+    such) among those that run in one wave, against single CTAs filling the wave plus a merge
+    (MERGE_COST_TILES); ties to the cluster."""
     import ddtree.kernels.mla_decode_cluster as m
-    active = {1: 132, 2: 66, 4: 30, 8: 15}  # the H200's
-    monkeypatch.setattr(m, "max_active_clusters", lambda device, c, rows: active[c])
+    monkeypatch.setattr(m, "max_active_clusters", lambda device, c, rows: H200_ACTIVE[c])
     monkeypatch.setattr(m, "MERGE_COST_TILES", 2.0)
     assert m.decode_config(8, 64, 1025, 0) == (2, 2)      # 9 tiles a CTA, against 9 + 2
-    assert m.decode_config(8, 16, 1025, 0) == (4, 4)      # 5 against 3 + 2: a tie
-    assert m.decode_config(8, 1, 1025, 0) == (8, 8)       # 3 against 1 + 2
-    assert m.decode_config(8, 1, 8193, 0) == (129, 1)     # 17 against 1 + 2
-    assert m.decode_config(8, 16, 8193, 0) == (8, 1)      # 33 against 17 + 2
+    assert m.decode_config(8, 32, 1025, 0) == (3, 3)      # 6 against 5 + 2
+    assert m.decode_config(8, 16, 1025, 0) == (6, 6)      # 3 against 3 + 2
+    assert m.decode_config(8, 1, 1025, 0) == (9, 9)       # 2 (9-16 CTAs: the smallest) against 1 + 2
+    assert m.decode_config(8, 1, 8193, 0) == (129, 1)     # 9 against 1 + 2
+    assert m.decode_config(8, 16, 8193, 0) == (8, 1)      # 22 against 17 + 2
     assert m.decode_config(8, 128, 1025, 0) == (1, 1)     # one CTA a request, no merge
     assert m.decode_config(8, 200, 8193, 0) == (1, 1)     # past one wave
     assert m.decode_config(8, 1, 64, 0) == (1, 1)         # one tile
@@ -108,7 +113,7 @@ def test_inputs_it_does_not_take_are_value_errors(device):
         kernel()(*inputs_for([70], 4, 8, 16, "chain", 1), 0.1)
     with pytest.raises(ValueError, match="dividing 8 or 16"):
         kernel()(*inputs_for([70], 1, 12, 16, "chain", 1), 0.1)
-    for config in ((3, 3), (6, 4), (0, 1)):
+    for config in ((17, 17), (6, 4), (0, 1)):
         with pytest.raises(ValueError, match="cluster in"):
             kernel()(*inputs, 0.1, config=config)
 
@@ -121,27 +126,30 @@ def test_misaligned_out_is_a_value_error():
         kernel()(*inputs, 0.1, out=wide)
 
 
-def test_dispatcher_sends_decode_batches_of_one_cluster_of_two_here(monkeypatch):
+def test_dispatcher_sends_decode_batches_it_serves_with_one_cluster_a_request_here(monkeypatch):
     """Without a GPU (support checks stubbed, the H200's cluster occupancy): <= 16 rows per request
-    whose config is one cluster of 2 per request filling more than half the device run here; other
-    batches, trees, calls without the table's length and DDTREE_VERIFY_ATTN=wgmma do not."""
+    whose config is one cluster of 2+ CTAs per request, with <= 2 tiles a CTA or clusters of 2
+    filling more than half the device, run here; other batches, trees, calls without the table's
+    length and DDTREE_VERIFY_ATTN=wgmma do not."""
     pytest.importorskip("triton.experimental.gluon")
     import ddtree.kernels.mla_decode_cluster as decode
     from ddtree.kernels import dispatch
-    active = {1: 132, 2: 66, 4: 30, 8: 15}
     monkeypatch.setattr(dispatch, "triton_verify_supported", lambda q, r, c: True)
     monkeypatch.setattr(dispatch, "wgmma_verify_wanted", lambda q, r, c, rows: rows >= 1)
     monkeypatch.setattr(dispatch, "cluster_verify_wanted", lambda q, r, c, batch, rows: False)
     monkeypatch.setattr(decode, "decode_cluster_supported", lambda q, r, c, rows: True)
-    monkeypatch.setattr(decode, "max_active_clusters", lambda device, c, rows: active[c])
+    monkeypatch.setattr(decode, "max_active_clusters", lambda device, c, rows: H200_ACTIVE[c])
 
     def choice(batch, tail, keys=1025):
         q = torch.zeros(batch * tail, 8, 4)
         return dispatch.verify_kernel(q, q, q, torch.zeros(batch, tail, 1), keys)[0]
     assert choice(64, 1) == "clusterT" and choice(48, 1) == "clusterT" and choice(64, 2) == "clusterT"
-    assert choice(64, 1, 32768) == "clusterT"
-    assert choice(16, 1) == "wgmma" and choice(32, 1) == "wgmma"  # (4, 4) / (4, 1) configs
-    assert choice(1, 1) == "wgmma" and choice(128, 1) == "wgmma"
+    assert choice(64, 1, 32768) == "clusterT"  # (2, 2)
+    assert choice(1, 1) == "clusterT" and choice(8, 1) == "clusterT" and choice(1, 2) == "clusterT"  # (9, 9)
+    assert choice(1, 1, 512) == "clusterT"  # (8, 8): one tile a CTA
+    assert choice(16, 1) == "wgmma" and choice(32, 1) == "wgmma"  # (6, 6) / (3, 3): 3 and 6 tiles a CTA
+    assert choice(1, 1, 2049) == "wgmma" and choice(1, 1, 8193) == "wgmma"  # (11, 11); (129, 1)
+    assert choice(128, 1) == "wgmma"  # (1, 1)
     assert choice(64, 4) == "wgmma"  # 32 rows a request
     q = torch.zeros(64, 8, 4)
     assert dispatch.verify_kernel(q, q, q, torch.zeros(64, 1, 1))[0] == "wgmma"  # no table length given

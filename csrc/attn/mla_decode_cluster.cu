@@ -9,18 +9,19 @@
 // warpgroup computes; a producer warp issues the TMA copies of the KV tiles, two in flight.
 //
 // What is new is the end: where the Gluon kernel writes one fp32 partial per split and a second
-// launch merges them, the `cluster` CTAs of a cluster hold consecutive splits of one request and
-// reduce over distributed shared memory (CTA k owns output columns [k * 512 / cluster, (k + 1) *
-// 512 / cluster)); a request served by one cluster is written directly. With more clusters per
-// request each cluster writes one fp32 partial, merged by merge_splits. Also: the producer warp (see
-// kThreads), and a sequence's partial last tile reads only its 8-row groups that hold keys
-// (issue_kv_tile).
+// launch merges them, the `cluster` CTAs of a cluster (1-16, any size) hold consecutive splits of
+// one request and reduce over distributed shared memory (CTA k owns output column quads [k * 128 /
+// cluster, (k + 1) * 128 / cluster)); a request served by one cluster is written directly. With
+// more clusters per request each cluster writes one fp32 partial, merged by merge_splits. Also: the
+// producer warp (see kThreads), and a sequence's partial last tile reads only its 8-row groups that
+// hold keys (issue_kv_tile).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <stdexcept>
+#include <utility>
 
 #include "attn/mla_verify_cluster.h"
 #include "attn/sm90.cuh"
@@ -34,6 +35,10 @@ using namespace sm90;
 // scores wgmma of each tile waited ~900 cycles for it (ncu, single CTA, H200): 2.0 us a tile.
 constexpr int kCompute = 128, kThreads = kCompute + 32, kStages = 2;
 constexpr int kOStride = kC + 4;  // staged output row, floats (padding: no bank conflicts)
+// CTAs per cluster: 1-16, non-portable above 8 (Hopper's limit). Sizes that are not powers of two
+// balance a request's tiles: 17 of them (a 1k-prefix decode) take 2 rounds over 9 CTAs where 8 need
+// 3. A compile-time size: with a runtime one the epilogue measured ~1 us slower (H200, 2026-12-01).
+constexpr int kMaxCluster = 16;
 
 // Shared memory of a CTA with NR query columns, from a 1024-byte aligned base.
 template <int kNR>
@@ -44,9 +49,7 @@ struct Layout {
   static constexpr uint32_t red = p + kNR * 128;                    // [4 warps][NR] column maxima
   static constexpr uint32_t red_l = red + 4 * kNR * 4;              // [4 warps][NR] column sums
   static constexpr uint32_t lse = red_l + 4 * kNR * 4;              // [NR] this CTA's log-sum-exp, log2 units
-  static constexpr uint32_t weight = lse + kNR * 4;                 // [NR][8] weights of the cluster's CTAs
-  static constexpr uint32_t row_lse = weight + kNR * 8 * 4;         // [NR] the cluster's log-sum-exp, natural log
-  static constexpr uint32_t bar = row_lse + kNR * 4;                // kQFull, kKvFull + stage, kKvFree + stage
+  static constexpr uint32_t bar = lse + kNR * 4;                // kQFull, kKvFull + stage, kKvFree + stage
   static constexpr uint32_t bytes = bar + 8 * (1 + 2 * kStages) + 1024;  // + alignment slack
   static_assert(kNR * kOStride * 4 <= kTileBytes, "the staged output fits KV buffer 0");
   static_assert(bytes <= 227 * 1024, "one CTA per SM");
@@ -93,7 +96,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem = smem_raw + (base - raw);
   float* red = reinterpret_cast<float*>(smem + L::red);
   float* red_l = reinterpret_cast<float*>(smem + L::red_l);
-  float* lse_s = reinterpret_cast<float*>(smem + L::lse);
   float* o_stage = reinterpret_cast<float*>(smem + L::kv);
   auto bar = [base](int i) { return base + L::bar + 8u * i; };
   constexpr int kQFull = 0, kKvFull = 1, kKvFree = 1 + kStages;
@@ -107,8 +109,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int prefix = max(static_cast<int>(a.prefix[b]), 0);
   const int kv_len = prefix + a.tokens;
   const int n_tiles = (kv_len + kKeyTile - 1) / kKeyTile;
-  const int lo = static_cast<int>(static_cast<int64_t>(split) * n_tiles / a.splits);
-  const int hi = static_cast<int>(static_cast<int64_t>(split + 1) * n_tiles / a.splits);
+  const int lo = split_bound(split, n_tiles, a.splits), hi = split_bound(split + 1, n_tiles, a.splits);
   const int full_hi = max(min(hi, prefix / kKeyTile), lo);
   const Paging paging{a.table + b * a.table_row, a.page_size, a.max_pages, a.num_pages};
 
@@ -124,13 +125,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int j = 0; j < kChunks; ++j)  // rows past the request: its neighbour's, or zeros by TMA; never written
         tma_load_3d(base + L::q + j * kNR * 128, j < kChunks - 1 ? &q_map : &rope_map, j < kChunks - 1 ? j * 64 : 0,
                     0, b * a.tokens, bar(kQFull));
-      KvTileRows first[kStages];  // page-table reads after Q's copies, which do not need them
+      KvTileRows first[kStages];  // the first tiles' table reads together, then their copies
 #pragma unroll
-      for (int s = 0; s < kStages; ++s) first[s] = kv_tile_rows(paging, min(lo + s, hi - 1));
+      for (int s = 0; s < kStages; ++s) first[s] = kv_tile_pages(paging, min(lo + s, hi - 1));
 #pragma unroll
       for (int s = 0; s < kStages; ++s)
         if (lo + s < hi)
-          issue_kv_tile(&kv_map, paging, first[s], base + L::kv + s * kTileBytes, bar(kKvFull + s), &kv8_map,
+          issue_kv_tile(&kv_map, paging, kv_tile_rows(paging, lo + s, first[s]), base + L::kv + s * kTileBytes, bar(kKvFull + s), &kv8_map,
                         kv_len - (lo + s) * kKeyTile);
       for (int tile = lo + kStages; tile < hi; ++tile) {
         const int i = tile - lo, buf = i % kStages;
@@ -261,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int n = slot_col(k, c0);
       const float l = red_l[n] + red_l[kNR + n] + red_l[2 * kNR + n] + red_l[3 * kNR + n];
       inv_l[k] = l > 0.f ? 1.f / l : 0.f;
-      if (tid < 4) lse_s[n] = l > 0.f ? m_run[k] + log2f(l) : -INFINITY;
+      if (tid < 4) reinterpret_cast<float*>(smem + L::lse)[n] = l > 0.f ? m_run[k] + log2f(l) : -INFINITY;
     }
     // Stage the normalized out^T as [NR, 512] fp32 over KV buffer 0 (no load is in flight now).
 #pragma unroll
@@ -272,49 +273,56 @@ __global__ void __launch_bounds__(kThreads, 1)
   }  // compute warps
   if constexpr (kCluster > 1) cluster_sync(); else __syncthreads();
 
-  // Reduce this CTA's column slice over the cluster: per query column, the CTAs' weights (one
-  // thread a column), then the weighted sums from every CTA's staged output.
-  constexpr int kSlice = kC / kCluster, kQuads = kSlice / 4;
+  // Reduce this CTA's column quads over the cluster: each item (query column n, quad) loads its
+  // column's log-sum-exp and staged output from every CTA, kItems items' loads in flight at once
+  // (one round trip of distributed shared memory; the weights are recomputed per item rather than
+  // shared through a second round trip and a barrier).
+  constexpr int kQuadsRow = kC / 4, kQuadsMax = (kQuadsRow + kCluster - 1) / kCluster;
+  constexpr int kItems = kCluster <= 2 ? 4 : kCluster <= 4 ? 2 : 1;
   const int rank = kCluster > 1 ? static_cast<int>(cluster_rank()) : 0;
+  const int q_lo = rank * kQuadsRow / kCluster, quads = (rank + 1) * kQuadsRow / kCluster - q_lo;
   const int clusters = a.splits / kCluster, cluster_id = split / kCluster;
-  const bool direct = clusters == 1;
-  float* weight_s = reinterpret_cast<float*>(smem + L::weight);
-  float* row_lse_s = reinterpret_cast<float*>(smem + L::row_lse);
   const int64_t part0 = static_cast<int64_t>(b) * rows;  // this request's first pair in the partials
   const int64_t pairs = static_cast<int64_t>(a.batch) * rows;
-  if (tid < kNR) {
-    const float lse = cluster_row_weights<kCluster>(base + L::lse + 4 * tid, weight_s + tid * 8);
-    row_lse_s[tid] = lse;
-    if (!direct && rank == 0 && tid < rows) a.lse_part[cluster_id * pairs + part0 + tid] = lse;
-  }
-  __syncthreads();
-  auto write_out = [&](int n, int col, float4 o, float lse) {
-    const int64_t orow = static_cast<int64_t>(b) * a.tokens + n / a.heads;
-    __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(a.out) + orow * a.out_row + (n % a.heads) * a.out_head + col;
-    *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16(o.x, o.y), pack_bf16(o.z, o.w));
-    if (col == 0) a.lse[orow * a.lse_row + n % a.heads] = lse;
-  };
-  uint32_t peer_base[kCluster];
+  uint32_t peer_base[kCluster];  // each peer's shared window: its staged output and log-sum-exps
 #pragma unroll
-  for (int j = 0; j < kCluster; ++j) peer_base[j] = kCluster > 1 ? peer_addr(base + L::kv, j) : base + L::kv;
-  for (int u = tid; u < kNR * kQuads; u += kThreads) {
-    const int n = u / kQuads, col = rank * kSlice + 4 * (u % kQuads);
-    const uint32_t off = 4u * (n * kOStride + col);
-    float4 v[kCluster];
+  for (int j = 0; j < kCluster; ++j) peer_base[j] = kCluster > 1 ? peer_addr(base, j) : base;
+  for (int u0 = tid; u0 < rows * kQuadsMax; u0 += kItems * kThreads) {
+    float4 v[kItems][kCluster];
+    float w[kItems][kCluster];
 #pragma unroll
-    for (int j = 0; j < kCluster; ++j)
-      v[j] = kCluster > 1 ? ld_peer4(peer_base[j] + off) : *reinterpret_cast<const float4*>(smem + L::kv + off);
-    if (n >= rows) continue;
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int i = 0; i < kItems; ++i) {
+      const int u = u0 + i * kThreads, n = u / kQuadsMax, qi = u % kQuadsMax;
+      const uint32_t off = L::kv + 4u * (n * kOStride + 4 * (q_lo + qi));
 #pragma unroll
-    for (int j = 0; j < kCluster; ++j) {  // a zero weight (a split that saw nothing) adds nothing, even NaN
-      const float w = weight_s[n * 8 + j];
-      if (w > 0.f) o.x += w * v[j].x, o.y += w * v[j].y, o.z += w * v[j].z, o.w += w * v[j].w;
+      for (int j = 0; j < kCluster; ++j)
+        if (n < rows && qi < quads) {
+          v[i][j] = kCluster > 1 ? ld_peer4(peer_base[j] + off) : ld_shared4(peer_base[j] + off);
+          w[i][j] = kCluster > 1 ? ld_peer(peer_base[j] + L::lse + 4 * n) : ld_shared(peer_base[j] + L::lse + 4 * n);
+        }
     }
-    if (direct)
-      write_out(n, col, o, row_lse_s[n]);
-    else
-      *reinterpret_cast<float4*>(a.o_part + (cluster_id * pairs + part0 + n) * kC + col) = o;
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int u = u0 + i * kThreads, n = u / kQuadsMax, qi = u % kQuadsMax, col = 4 * (q_lo + qi);
+      if (n >= rows || qi >= quads) continue;
+      const float lse = merge_weights(w[i]);
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int j = 0; j < kCluster; ++j) {  // a zero weight (a split that saw nothing) adds nothing, even NaN
+        const float wj = w[i][j];
+        if (wj > 0.f) o.x += wj * v[i][j].x, o.y += wj * v[i][j].y, o.z += wj * v[i][j].z, o.w += wj * v[i][j].w;
+      }
+      if (clusters == 1) {
+        const int64_t orow = static_cast<int64_t>(b) * a.tokens + n / a.heads;
+        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(a.out) + orow * a.out_row + (n % a.heads) * a.out_head + col;
+        *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16(o.x, o.y), pack_bf16(o.z, o.w));
+        if (col == 0) a.lse[orow * a.lse_row + n % a.heads] = lse;
+      } else {
+        const int64_t prow = cluster_id * pairs + part0 + n;
+        *reinterpret_cast<float4*>(a.o_part + prow * kC + col) = o;
+        if (col == 0) a.lse_part[prow] = lse;
+      }
+    }
   }
 
   if constexpr (kCluster > 1) cluster_sync();  // no CTA leaves while a peer still reads its shared memory
@@ -331,41 +339,43 @@ void launch(const VerifyClusterArgs& a, cudaStream_t stream) {
   check(cudaLaunchKernelEx(&l.cfg, decode_cluster_kernel<kNR, kCluster>, m.q, m.rope, m.kv, m.kv8, a), "launch");
 }
 
-template <int kNR>
-void launch_rows(const VerifyClusterArgs& a, cudaStream_t stream) {
-  switch (a.cluster) {
-    case 1: return launch<kNR, 1>(a, stream);
-    case 2: return launch<kNR, 2>(a, stream);
-    case 4: return launch<kNR, 4>(a, stream);
-    case 8: return launch<kNR, 8>(a, stream);
-    default: throw std::invalid_argument("mla_decode_cluster: cluster must be 1, 2, 4 or 8");
-  }
+template <int kNR, int kCluster>
+int active() {
+  return max_active_clusters(decode_cluster_kernel<kNR, kCluster>, kCluster, kThreads, Layout<kNR>::bytes);
 }
 
-template <int kNR>
-int active_rows(int cluster) {
-  switch (cluster) {
-    case 1: return max_active_clusters(decode_cluster_kernel<kNR, 1>, 1, kThreads, Layout<kNR>::bytes);
-    case 2: return max_active_clusters(decode_cluster_kernel<kNR, 2>, 2, kThreads, Layout<kNR>::bytes);
-    case 4: return max_active_clusters(decode_cluster_kernel<kNR, 4>, 4, kThreads, Layout<kNR>::bytes);
-    case 8: return max_active_clusters(decode_cluster_kernel<kNR, 8>, 8, kThreads, Layout<kNR>::bytes);
-    default: throw std::invalid_argument("mla_decode_cluster: cluster must be 1, 2, 4 or 8");
-  }
+// launch<kNR, cluster> and active<kNR, cluster> for a runtime cluster size in 1..kMaxCluster.
+using Sizes = std::make_integer_sequence<int, kMaxCluster>;
+template <int kNR, int... kSize>
+void launch_sized(const VerifyClusterArgs& a, cudaStream_t stream, std::integer_sequence<int, kSize...>) {
+  ((a.cluster == kSize + 1 ? launch<kNR, kSize + 1>(a, stream) : void()), ...);
+}
+template <int kNR, int... kSize>
+int active_sized(int cluster, std::integer_sequence<int, kSize...>) {
+  int n = 0;
+  ((n = cluster == kSize + 1 ? active<kNR, kSize + 1>() : n), ...);
+  return n;
+}
+
+void check_cluster(int cluster) {
+  if (cluster < 1 || cluster > kMaxCluster) throw std::invalid_argument("mla_decode_cluster: cluster must be 1-16");
 }
 
 }  // namespace
 
 int mla_decode_cluster_max_active(int cluster, int rows_per_request) {
-  return rows_per_request <= 8 ? active_rows<8>(cluster) : active_rows<16>(cluster);
+  check_cluster(cluster);
+  return rows_per_request <= 8 ? active_sized<8>(cluster, Sizes{}) : active_sized<16>(cluster, Sizes{});
 }
 
 void mla_decode_cluster(const VerifyClusterArgs& a, void* stream) {
   const int rows = a.tokens * a.heads, nr = rows <= 8 ? 8 : 16;
-  if (a.heads < 1 || rows > 16 || nr % a.heads != 0 || a.cluster < 1 || a.splits % a.cluster != 0)
+  check_cluster(a.cluster);
+  if (a.heads < 1 || rows > 16 || nr % a.heads != 0 || a.splits % a.cluster != 0)
     throw std::invalid_argument("mla_decode_cluster: <= 16 rows per request, heads dividing 8 or 16, cluster dividing splits");
   const auto s = static_cast<cudaStream_t>(stream);
-  if (nr == 8) return launch_rows<8>(a, s);
-  return launch_rows<16>(a, s);
+  if (nr == 8) return launch_sized<8>(a, s, Sizes{});
+  launch_sized<16>(a, s, Sizes{});
 }
 
 }  // namespace ddtree::attn

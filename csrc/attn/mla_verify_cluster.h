@@ -23,7 +23,7 @@ struct VerifyClusterArgs {
   int64_t out_row, out_head, lse_row;
   int batch, tokens, heads, mask_words, page_size, max_pages, num_pages;
   int splits;        // CTAs per (request, row block): a multiple of cluster
-  int cluster;       // CTAs per cluster: 1, 2, 4 or 8
+  int cluster;       // CTAs per cluster: 1, 2, 4 or 8 (trees); 1-16 (decode)
   float scale_log2;  // softmax scale * log2(e)
   bool tail_mask;    // false only in benchmarks: the whole tail visible
 };
@@ -37,7 +37,8 @@ void mla_verify_cluster(const VerifyClusterArgs& args, void* stream);
 
 // Decode and other requests of <= 16 rows (csrc/attn/mla_decode_cluster.cu): the transposed kernel
 // (keys as the wgmma M side) with one request's splits in clusters. `args` as above; `splits` CTAs
-// per request, a multiple of `cluster` (1, 2, 4 or 8); heads dividing 8 (<= 8 rows) or 16.
+// per request, a multiple of `cluster` (1-16; above 8 a non-portable size); heads dividing 8 (<= 8
+// rows) or 16.
 int mla_decode_cluster_max_active(int cluster, int rows_per_request);
 void mla_decode_cluster(const VerifyClusterArgs& args, void* stream);
 

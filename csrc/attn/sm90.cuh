@@ -128,29 +128,52 @@ __device__ __forceinline__ float ld_shared(uint32_t addr) {
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
   return v;
 }
-
-// One row's weights over a cluster's partial results: CTA j's log-sum-exp of the row (log2 units) at
-// the shared address `lse_addr` of its own window gives weights[j] = 2^(lse_j - lse) for the row's
-// log-sum-exp lse over the cluster, which is returned in natural log (-inf, and zero weights, for
-// a row no CTA saw a key of). After a cluster barrier that follows every CTA's write of its lse.
-template <int kCluster>
-__device__ __forceinline__ float cluster_row_weights(uint32_t lse_addr, float* weights) {
-  float w[kCluster], top = -INFINITY;
+__device__ __forceinline__ float4 ld_shared4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+// The merge weights of kN partial results of a row from their log-sum-exps (log2 units), in place:
+// lse[j] becomes 2^(lse_j - lse) for the row's log-sum-exp lse over all of them, which is returned
+// in natural log (-inf, and zero weights, for a row none saw a key of).
+template <int kN>
+__device__ __forceinline__ float merge_weights(float (&lse)[kN]) {
+  float top = -INFINITY;
 #pragma unroll
-  for (int j = 0; j < kCluster; ++j) {
-    w[j] = kCluster > 1 ? ld_peer(peer_addr(lse_addr, j)) : ld_shared(lse_addr);
-    top = fmaxf(top, w[j]);
-  }
+  for (int j = 0; j < kN; ++j) top = fmaxf(top, lse[j]);
   float wsum = 0.f;
 #pragma unroll
-  for (int j = 0; j < kCluster; ++j) {
-    w[j] = top > -INFINITY ? fast_exp2(w[j] - top) : 0.f;
-    wsum += w[j];
+  for (int j = 0; j < kN; ++j) {
+    lse[j] = top > -INFINITY ? fast_exp2(lse[j] - top) : 0.f;
+    wsum += lse[j];
   }
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
 #pragma unroll
-  for (int j = 0; j < kCluster; ++j) weights[j] = w[j] * inv;
+  for (int j = 0; j < kN; ++j) lse[j] *= inv;
   return wsum > 0.f ? (top + log2f(wsum)) * 0.6931471805599453f : -INFINITY;
+}
+
+// One row's weights over a cluster's partial results (merge_weights), CTA j's log-sum-exp of the
+// row at the shared address `lse_addr` of its own window. After a cluster barrier that follows
+// every CTA's write of its lse.
+template <int kCluster>
+__device__ __forceinline__ float cluster_row_weights(uint32_t lse_addr, float* weights) {
+  float w[kCluster];
+#pragma unroll
+  for (int j = 0; j < kCluster; ++j) w[j] = kCluster > 1 ? ld_peer(peer_addr(lse_addr, j)) : ld_shared(lse_addr);
+  const float lse = merge_weights(w);
+#pragma unroll
+  for (int j = 0; j < kCluster; ++j) weights[j] = w[j];
+  return lse;
+}
+
+// The first tile of split `split` when `tiles` are spread evenly over `splits`: split * tiles /
+// splits, in 32-bit arithmetic where it fits (a 64-bit division is a long software routine at the
+// head of every CTA's critical path).
+__device__ __forceinline__ int split_bound(int split, int tiles, int splits) {
+  if (tiles < 65536 && split < 65536)
+    return static_cast<int>(static_cast<uint32_t>(split) * static_cast<uint32_t>(tiles) / static_cast<uint32_t>(splits));
+  return static_cast<int>(static_cast<int64_t>(split) * tiles / splits);
 }
 
 // Where a request's keys live: its block-table row and the cache's paging.
@@ -161,25 +184,32 @@ struct Paging {
 
 // The cache rows where KV tile `tile` of a request (keys tile * 64..) starts in each of its
 // min(page_size, 64)-row boxes, one per page; page ids out of the table or the cache are clamped
-// (wrong rows, never a fault). The table reads are issued together, before any TMA copy: one
-// after each (the copies' asm is a memory barrier to the compiler) cost a round trip per page.
+// (wrong rows, never a fault). In two steps, so that a caller can issue several tiles' table reads
+// before it needs any: kv_tile_pages loads the page ids (the reads issued together: one after each
+// TMA copy, whose asm is a memory barrier to the compiler, cost a round trip per page), and
+// kv_tile_rows turns them into rows.
 struct KvTileRows {
   int row[kKeyTile / 16];  // pages of >= 16 rows: at most 4 boxes a tile
 };
-__device__ __forceinline__ KvTileRows kv_tile_rows(const Paging& p, int tile) {
+__device__ __forceinline__ KvTileRows kv_tile_pages(const Paging& p, int tile) {
   const int page_rows = min(p.page_size, kKeyTile);
   KvTileRows r;
 #pragma unroll
-  for (int k = 0; k < kKeyTile / 16; ++k) {
-    const int pos = tile * kKeyTile + k * page_rows;
-    r.row[k] = k < kKeyTile / page_rows ? p.table_row[min(pos / p.page_size, p.max_pages - 1)] : 0;
-  }
+  for (int k = 0; k < kKeyTile / 16; ++k)
+    r.row[k] = k < kKeyTile / page_rows ? p.table_row[min((tile * kKeyTile + k * page_rows) / p.page_size, p.max_pages - 1)] : 0;
+  return r;
+}
+__device__ __forceinline__ KvTileRows kv_tile_rows(const Paging& p, int tile, KvTileRows pages) {
+  const int page_rows = min(p.page_size, kKeyTile);
 #pragma unroll
   for (int k = 0; k < kKeyTile / 16; ++k) {
     const int pos = tile * kKeyTile + k * page_rows;
-    r.row[k] = min(max(r.row[k], 0), p.num_pages - 1) * p.page_size + pos % p.page_size;
+    pages.row[k] = min(max(pages.row[k], 0), p.num_pages - 1) * p.page_size + pos % p.page_size;
   }
-  return r;
+  return pages;
+}
+__device__ __forceinline__ KvTileRows kv_tile_rows(const Paging& p, int tile) {
+  return kv_tile_rows(p, tile, kv_tile_pages(p, tile));
 }
 
 // The TMA copies of a KV tile into the buffer at `dst` from the rows kv_tile_rows found: boxes of
@@ -196,7 +226,11 @@ __device__ __forceinline__ void issue_kv_tile(const CUtensorMap* kv_map, const P
     const int groups = (valid + 7) / 8;  // 8 | page_rows: a group never straddles pages
     bar_expect(full, groups * kChunks * 1024);
     for (int g = 0; g < groups; ++g) {
-      const int row = rows.row[8 * g / page_rows] + 8 * g % page_rows;
+      const int box = 8 * g / page_rows;
+      int row = rows.row[0];  // rows.row[box], without a dynamic index (it would put `rows` in local memory)
+#pragma unroll
+      for (int k = 1; k < kKeyTile / 16; ++k) row = k == box ? rows.row[k] : row;
+      row += 8 * g % page_rows;
       for (int j = 0; j < kChunks; ++j) tma_load_2d(dst + j * kChunkBytes + g * 1024, kv8_map, j * 64, row, full);
     }
     return;
@@ -273,13 +307,16 @@ inline CUtensorMap tensor_map(const void* ptr, cuuint32_t rank, const cuuint64_t
   return map;
 }
 
-// A launch of `kernel` in clusters of `cluster` CTAs along x, its dynamic shared memory allowed first.
+// A launch of `kernel` in clusters of `cluster` CTAs along x (up to 16: above 8 the kernel is allowed
+// non-portable sizes), its dynamic shared memory allowed first.
 template <class Kernel>
 struct ClusterLaunch {
   cudaLaunchAttribute attr[1];
   cudaLaunchConfig_t cfg = {};
   ClusterLaunch(Kernel* kernel, int cluster, dim3 grid, int threads, uint32_t smem_bytes, cudaStream_t stream) {
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes), "shared memory size");
+    if (cluster > 8)  // Hopper runs clusters of up to 16 CTAs when the kernel opts in
+      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1), "cluster size");
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = cluster;
     attr[0].val.clusterDim.y = 1;

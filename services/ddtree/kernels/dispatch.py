@@ -1,6 +1,6 @@
 """Which verify-attention implementation runs: on sm_90 the cluster kernel (CUDA C++) for trees
 with few row blocks, the cluster decode kernel (CUDA C++) for decode batches it serves with one
-cluster of 2 CTAs per request, and the Hopper wgmma kernel (Gluon) for the rest, the Triton kernel
+cluster per request (decode_cluster_wanted), and the Hopper wgmma kernel (Gluon) for the rest, the Triton kernel
 where those do not apply, else torch. DDTREE_VERIFY_ATTN=torch forces the reference, =triton the Triton
 kernel, =wgmma the Gluon kernel for every row count (A/B comparisons, debugging)."""
 from __future__ import annotations
@@ -80,11 +80,13 @@ def decode_cluster_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: t
                           rows_per_request: int, max_kv_len: int) -> bool:
     """For inputs the wgmma kernel takes: True where the cluster decode kernel (CUDA C++) serves
     them instead: <= FEW_ROWS rows per request (decode, 2-token chains at h 8) whose config is one
-    cluster of 2 CTAs per request (no merge launch) and those CTAs fill more than half the device,
-    unless DDTREE_VERIFY_ATTN=wgmma. H200, graph replay, side by side (2026-12-01,
-    `bench_verify_attn.py --decode-clusters`): B 48 and 64 x (h 8, h 16, 2 x h 8) at 1k / 8k / 32k
-    0.92-0.99x the Gluon kernel's time (B 64 x h 8 at 1k 28.0 against 28.9 us); at B 1, 16 and 32
-    (other configs) the Gluon kernel was faster, at B 128 (one CTA a request) equal to 4% faster."""
+    cluster of 2 or more CTAs per request (no merge launch), with at most 2 KV tiles a CTA or
+    clusters of 2 filling more than half the device, unless DDTREE_VERIFY_ATTN=wgmma. H200, graph
+    replay, side by side (2026-12-01, `bench_verify_attn.py --decode-clusters`), against the Gluon
+    kernel: B 1 x h 8 at 1k (9 CTAs, 2 tiles each) 10.1 against 10.6 us, h 16 11.9 / 12.3, B 8 x
+    h 8 at 1k 10.9 / 11.5, B 48 and 64 (clusters of 2) 0.95-0.98x; with 3 or more tiles a CTA in
+    clusters of 3-11 it was 0.2-1.9 us slower (B 16 x h 8 at 1k (6, 6) 12.8 / 12.5, B 32 (3, 3)
+    16.7 / 15.7, B 1 at 2k (11, 11) 11.7 / 9.8), and with single CTAs (a merge launch) slower."""
     from .mla_verify_wgmma import FEW_ROWS
     if os.environ.get("DDTREE_VERIFY_ATTN", "auto") == "wgmma" or not 1 <= rows_per_request <= FEW_ROWS:
         return False
@@ -92,8 +94,12 @@ def decode_cluster_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: t
     if not decode.decode_cluster_supported(q_latent, q_rope, cache, rows_per_request):
         return False
     device = q_latent.device.index or 0
-    return (decode.decode_config(rows_per_request, batch, max_kv_len, device) == (2, 2)
-            and 2 * 2 * batch > decode.max_active_clusters(device, 1, rows_per_request))
+    splits, cluster = decode.decode_config(rows_per_request, batch, max_kv_len, device)
+    if splits != cluster or cluster < 2:
+        return False
+    tiles = -(-max(max_kv_len, 1) // decode.KEY_TILE)
+    return (-(-tiles // cluster) <= 2
+            or (cluster == 2 and 2 * 2 * batch > decode.max_active_clusters(device, 1, rows_per_request)))
 
 
 def verify_kernel(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,

@@ -3,10 +3,11 @@ thread-block clusters: the CUDA C++ kernel of csrc/attn/mla_decode_cluster.cu
 (ddtree._C.mla_decode_cluster).
 
 The transposed scheme of mla_decode_wgmma (keys on the wgmma M side, 8 or 16 query columns a CTA),
-with a request's splits grouped in a cluster that reduces their partial outputs over distributed
-shared memory, so a request served by one cluster is written in one launch, without the fp32
-partials and the merge launch of the Gluon kernel. Configs of more than one cluster a request
-write one partial per cluster, merged by merge_splits. Same contract as mla_verify_attention_wgmma.
+with a request's splits grouped in a cluster (1-16 CTAs, any size) that reduces their partial
+outputs over distributed shared memory, so a request served by one cluster is written in one
+launch, without the fp32 partials and the merge launch of the Gluon kernel. Configs of more than
+one cluster a request write one partial per cluster, merged by merge_splits. Same contract as
+mla_verify_attention_wgmma.
 """
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ import functools
 import torch
 import triton
 
-from .mla_verify_cluster import CLUSTERS, KEY_TILE, _native, cluster_verify_supported, launch_cluster_kernel
+from .mla_verify_cluster import KEY_TILE, _native, cluster_verify_supported, launch_cluster_kernel
 from .validate import checked_call
 
 MAX_ROWS = 16  # rows per request: the kernel's query columns are 8 or 16
+# CTAs per cluster: any size up to Hopper's 16 (above 8 non-portable). Sizes that divide a request's
+# tiles evenly matter at few tiles: a 1k-prefix decode's 17 tiles take 2 rounds on 9 CTAs, 3 on 8.
+DECODE_CLUSTERS = tuple(range(1, 17))
 # A merge launch (and the partials it reads) costs about this many KV tiles of a CTA's loop
 # (~1.2-2 us each): H200, graph replay, 2026-12-01 (`bench_verify_attn.py --decode-clusters`):
 # B 1 x h 8 at 1k, one cluster of 8 (3 tiles a CTA) 10.8 us against 17 single CTAs and a merge
@@ -50,16 +54,18 @@ def max_active_clusters(device_index: int, cluster: int, rows_per_request: int) 
 
 def decode_config(rows_per_request: int, batch: int, max_kv_len: int, device_index: int,
                   cluster: int | None = None) -> tuple[int, int]:
-    """(splits, cluster). Two candidates: one cluster per request, of the largest size whose
-    clusters for the batch run in one wave (no merge); and single CTAs, as many per request as fill
-    one wave (merged by a second launch). The one whose CTAs read fewer KV tiles, the merge
-    counted as MERGE_COST_TILES, wins; ties go to the cluster. `cluster` forces one cluster of that
-    size per request. More requests than one wave of CTAs: one CTA each."""
+    """(splits, cluster). Two candidates: one cluster per request, of the size whose CTAs read the
+    fewest tiles each (the smallest such) among those whose clusters for the batch run in one wave
+    (no merge); and single CTAs, as many per request as fill one wave (merged by a second launch).
+    The one whose CTAs read fewer KV tiles, the merge counted as MERGE_COST_TILES, wins; ties go to
+    the cluster. `cluster` forces one cluster of that size per request. More requests than one
+    wave of CTAs: one CTA each."""
     tiles = triton.cdiv(max(max_kv_len, 1), KEY_TILE)
     if cluster:
         return cluster, cluster
-    direct = next((c for c in CLUSTERS[::-1]
-                   if c <= tiles and batch <= max_active_clusters(device_index, c, rows_per_request)), None)
+    fits = [c for c in DECODE_CLUSTERS
+            if c <= tiles and batch <= max_active_clusters(device_index, c, rows_per_request)]
+    direct = min(fits, key=lambda c: (triton.cdiv(tiles, c), c)) if fits else None
     splits = min(max_active_clusters(device_index, 1, rows_per_request) // batch, tiles)
     if direct is None and splits <= 1:
         return 1, 1
@@ -86,7 +92,7 @@ def mla_decode_attention_cluster(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as mla_verify_triton.mla_verify_attention_triton, for inputs that
     `decode_cluster_supported` accepts (ValueError otherwise). config: (splits, cluster), default
-    `decode_config`; cluster in CLUSTERS dividing splits. More than one cluster per request writes
+    `decode_config`; cluster in DECODE_CLUSTERS dividing splits. More than one cluster per request writes
     one fp32 partial per cluster, merged by a second launch (merge_splits)."""
     b, t, heads, _, _, out, lse = checked_call(
         decode_cluster_supported, "the cluster decode kernel needs sm_90, C 512, R 64, <= 16 rows per request, a "
@@ -95,4 +101,4 @@ def mla_decode_attention_cluster(
     if config is None:
         config = decode_config(t * heads, b, block_table.shape[1] * cache.shape[1], q_latent.device.index or 0)
     return launch_cluster_kernel(_native().mla_decode_cluster, q_latent, q_rope, cache, block_table, prefix_lens,
-                                 mask, softmax_scale, config, out, lse, tail_mask)
+                                 mask, softmax_scale, config, out, lse, tail_mask, DECODE_CLUSTERS)

@@ -120,27 +120,27 @@ def mla_verify_attention_cluster(
 def launch_cluster_kernel(launch, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                           block_table: torch.Tensor, prefix_lens: torch.Tensor, mask: torch.Tensor,
                           softmax_scale: float, config: tuple[int, int], out: torch.Tensor, lse: torch.Tensor,
-                          tail_mask: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                          tail_mask: bool, clusters: tuple[int, ...] = CLUSTERS) -> tuple[torch.Tensor, torch.Tensor]:
     """The rest of a cluster kernel's entry (this one's and mla_decode_cluster's), after checked_call
     and the default config: the config's and the outputs' checks (ValueError), the index tensors, the
     fp32 partials of more than one cluster, `launch` (a ddtree._C entry with mla_verify_cluster's
-    arguments) and the merge launch."""
+    arguments) and the merge launch. `clusters`: the cluster sizes the kernel takes."""
     (b, t, _), (rows, heads, c) = mask.shape, q_latent.shape
     device = q_latent.device
     splits, cluster = config
-    if cluster not in CLUSTERS or splits < 1 or splits % cluster:
-        raise ValueError(f"config (splits, cluster) needs cluster in {CLUSTERS} dividing splits; got {config}")
+    if cluster not in clusters or splits < 1 or splits % cluster:
+        raise ValueError(f"config (splits, cluster) needs cluster in {clusters} dividing splits; got {config}")
     if out.stride(2) != 1 or out.stride(0) % 4 or out.stride(1) % 4 or out.data_ptr() % 8 or lse.stride(1) != 1:
         raise ValueError(f"out needs its last dim contiguous and 8-byte aligned rows and heads (strides "
                          f"{out.stride()}), lse its last dim contiguous (strides {lse.stride()})")
     mask64 = (mask.view(torch.int64) if mask.dtype == torch.uint64 else mask).contiguous()
     table = block_table.to(torch.int32).contiguous()
     prefix = prefix_lens.to(torch.int64).contiguous()
-    clusters = splits // cluster
+    per_request = splits // cluster
     o_part = lse_part = None
-    if clusters > 1:
-        o_part = torch.empty(clusters, rows * heads, c, dtype=torch.float32, device=device)
-        lse_part = torch.empty(clusters, rows * heads, dtype=torch.float32, device=device)
+    if per_request > 1:
+        o_part = torch.empty(per_request, rows * heads, c, dtype=torch.float32, device=device)
+        lse_part = torch.empty(per_request, rows * heads, dtype=torch.float32, device=device)
     strides = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(1),
                table.stride(0), out.stride(0), out.stride(1), lse.stride(0))
     launch(
@@ -149,6 +149,6 @@ def launch_cluster_kernel(launch, q_latent: torch.Tensor, q_rope: torch.Tensor, 
         0 if lse_part is None else lse_part.data_ptr(), strides, b, t, heads, mask64.shape[-1], cache.shape[1],
         table.shape[1], cache.shape[0], splits, cluster, softmax_scale * _LOG2E, tail_mask,
         torch.cuda.current_stream(device).cuda_stream)
-    if clusters > 1:
+    if per_request > 1:
         merge_splits(o_part, lse_part, out, lse, heads)
     return out, lse
