@@ -131,8 +131,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int s = 0; s < kStages; ++s)
         if (lo + s < hi)
-          issue_kv_tile(&kv_map, paging, kv_tile_rows(paging, lo + s, first[s]), base + L::kv + s * kTileBytes, bar(kKvFull + s), &kv8_map,
-                        kv_len - (lo + s) * kKeyTile);
+          issue_kv_tile(&kv_map, paging, kv_tile_rows(paging, lo + s, first[s]), base + L::kv + s * kTileBytes,
+                        bar(kKvFull + s), &kv8_map, kv_len - (lo + s) * kKeyTile);
       for (int tile = lo + kStages; tile < hi; ++tile) {
         const int i = tile - lo, buf = i % kStages;
         const KvTileRows rows_of_tile = kv_tile_rows(paging, tile);  // read while the buffer drains

@@ -1,8 +1,8 @@
 """Which verify-attention implementation runs: on sm_90 the cluster kernel (CUDA C++) for trees
 with few row blocks, the cluster decode kernel (CUDA C++) for decode batches it serves with one
-cluster per request (decode_cluster_wanted), and the Hopper wgmma kernel (Gluon) for the rest, the Triton kernel
-where those do not apply, else torch. DDTREE_VERIFY_ATTN=torch forces the reference, =triton the Triton
-kernel, =wgmma the Gluon kernel for every row count (A/B comparisons, debugging)."""
+cluster per request (decode_cluster_wanted), and the Hopper wgmma kernel (Gluon) for the rest, the
+Triton kernel where those do not apply, else torch. DDTREE_VERIFY_ATTN=torch forces the reference,
+=triton the Triton kernel, =wgmma the Gluon kernel for every row count (A/B comparisons, debugging)."""
 from __future__ import annotations
 
 import functools
@@ -82,11 +82,11 @@ def decode_cluster_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: t
     them instead: <= FEW_ROWS rows per request (decode, 2-token chains at h 8) whose config is one
     cluster of 2 or more CTAs per request (no merge launch), with at most 2 KV tiles a CTA or
     clusters of 2 filling more than half the device, unless DDTREE_VERIFY_ATTN=wgmma. H200, graph
-    replay, side by side (2026-12-01, `bench_verify_attn.py --decode-clusters`), against the Gluon
-    kernel: B 1 x h 8 at 1k (9 CTAs, 2 tiles each) 10.1 against 10.6 us, h 16 11.9 / 12.3, B 8 x
-    h 8 at 1k 10.9 / 11.5, B 48 and 64 (clusters of 2) 0.95-0.98x; with 3 or more tiles a CTA in
-    clusters of 3-11 it was 0.2-1.9 us slower (B 16 x h 8 at 1k (6, 6) 12.8 / 12.5, B 32 (3, 3)
-    16.7 / 15.7, B 1 at 2k (11, 11) 11.7 / 9.8), and with single CTAs (a merge launch) slower."""
+    replay, side by side (2026-12-01, `bench_verify_attn.py --decode-clusters`, kernels.txt session
+    23), against the Gluon kernel: B 1 x h 8 at 1k (9 CTAs, 2 tiles each) 9.8 against 10.5 us,
+    h 16 11.8 / 12.2, B 8 x h 8 at 1k 10.8 / 11.6, B 48 and 64 (clusters of 2) 0.96-0.97x; with 3
+    or more tiles a CTA it was even or slower (B 16 x h 8 at 1k (6, 6) 12.5 / 12.3, B 32 (3, 3)
+    16.5 / 15.9, B 1 at 2k (11, 11) 11.7 / 9.8), and with single CTAs (a merge launch) slower."""
     from .mla_verify_wgmma import FEW_ROWS
     if os.environ.get("DDTREE_VERIFY_ATTN", "auto") == "wgmma" or not 1 <= rows_per_request <= FEW_ROWS:
         return False

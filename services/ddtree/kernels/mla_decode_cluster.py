@@ -92,8 +92,8 @@ def mla_decode_attention_cluster(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as mla_verify_triton.mla_verify_attention_triton, for inputs that
     `decode_cluster_supported` accepts (ValueError otherwise). config: (splits, cluster), default
-    `decode_config`; cluster in DECODE_CLUSTERS dividing splits. More than one cluster per request writes
-    one fp32 partial per cluster, merged by a second launch (merge_splits)."""
+    `decode_config`; cluster in DECODE_CLUSTERS dividing splits. More than one cluster per request
+    writes one fp32 partial per cluster, merged by a second launch (merge_splits)."""
     b, t, heads, _, _, out, lse = checked_call(
         decode_cluster_supported, "the cluster decode kernel needs sm_90, C 512, R 64, <= 16 rows per request, a "
         "head count dividing 8 or 16, 16-byte aligned Q rows and packed pages of a power-of-two size >= 16",
