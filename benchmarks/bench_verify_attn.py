@@ -469,7 +469,7 @@ def run_decode_clusters(args) -> None:
     """The Gluon transposed kernel against the cluster decode kernel's default config and, per
     cluster size, one cluster a request (where one wave holds them) and single CTAs filling the
     wave (merged by a second launch), side by side under graph replay, with the copy ceiling."""
-    from ddtree.kernels.mla_decode_cluster import (DECODE_CLUSTERS, decode_config, max_active_clusters,
+    from ddtree.kernels.mla_decode_cluster import (DECODE_CLUSTERS, decode_config, key_tiles, max_active_clusters,
                                                    mla_decode_attention_cluster)
     from ddtree.kernels.mla_verify_wgmma import mla_verify_attention_wgmma
     shapes = args.shapes or DECODE_CLUSTER_SHAPES
@@ -483,7 +483,7 @@ def run_decode_clusters(args) -> None:
             continue
         inputs = work.case(batch, nodes, heads, prefix, gen)
         rows, kv_bound = nodes * heads, inputs[3].shape[1] * PAGE
-        tiles = -(-kv_bound // 64)
+        tiles = key_tiles(kv_bound)
         default = decode_config(rows, batch, kv_bound, 0)
         configs = [default] + [(c, c) for c in DECODE_CLUSTERS[::-1]
                                if c <= tiles and batch <= max_active_clusters(0, c, rows)]

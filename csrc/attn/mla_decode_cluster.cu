@@ -49,7 +49,7 @@ struct Layout {
   static constexpr uint32_t red = p + kNR * 128;                    // [4 warps][NR] column maxima
   static constexpr uint32_t red_l = red + 4 * kNR * 4;              // [4 warps][NR] column sums
   static constexpr uint32_t lse = red_l + 4 * kNR * 4;              // [NR] this CTA's log-sum-exp, log2 units
-  static constexpr uint32_t bar = lse + kNR * 4;                // kQFull, kKvFull + stage, kKvFree + stage
+  static constexpr uint32_t bar = lse + kNR * 4;                    // kQFull, kKvFull + stage, kKvFree + stage
   static constexpr uint32_t bytes = bar + 8 * (1 + 2 * kStages) + 1024;  // + alignment slack
   static_assert(kNR * kOStride * 4 <= kTileBytes, "the staged output fits KV buffer 0");
   static_assert(bytes <= 227 * 1024, "one CTA per SM");

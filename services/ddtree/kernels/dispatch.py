@@ -97,8 +97,7 @@ def decode_cluster_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: t
     splits, cluster = decode.decode_config(rows_per_request, batch, max_kv_len, device)
     if splits != cluster or cluster < 2:
         return False
-    tiles = -(-max(max_kv_len, 1) // decode.KEY_TILE)
-    return (-(-tiles // cluster) <= 2
+    return (-(-decode.key_tiles(max_kv_len) // cluster) <= 2
             or (cluster == 2 and 2 * 2 * batch > decode.max_active_clusters(device, 1, rows_per_request)))
 
 

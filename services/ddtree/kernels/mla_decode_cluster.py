@@ -16,7 +16,7 @@ import functools
 import torch
 import triton
 
-from .mla_verify_cluster import KEY_TILE, _native, cluster_verify_supported, launch_cluster_kernel
+from .mla_verify_cluster import _native, cluster_verify_supported, key_tiles, launch_cluster_kernel
 from .validate import checked_call
 
 MAX_ROWS = 16  # rows per request: the kernel's query columns are 8 or 16
@@ -60,7 +60,7 @@ def decode_config(rows_per_request: int, batch: int, max_kv_len: int, device_ind
     The one whose CTAs read fewer KV tiles, the merge counted as MERGE_COST_TILES, wins; ties go to
     the cluster. `cluster` forces one cluster of that size per request. More requests than one
     wave of CTAs: one CTA each."""
-    tiles = triton.cdiv(max(max_kv_len, 1), KEY_TILE)
+    tiles = key_tiles(max_kv_len)
     if cluster:
         return cluster, cluster
     fits = [c for c in DECODE_CLUSTERS

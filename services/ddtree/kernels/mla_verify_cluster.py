@@ -19,12 +19,17 @@ from .mla_verify_wgmma import BLOCK_M, MIN_SPLIT_KEYS, wgmma_verify_supported
 from .validate import checked_call
 
 CLUSTERS = (1, 2, 4, 8)  # CTAs per cluster the extension is built for (8: the portable maximum)
-KEY_TILE = 64  # keys per tile of the kernel's loop
+KEY_TILE = 64  # keys per tile of the kernel's loop (both cluster kernels)
 # What a config's epilogue costs beyond its tiles, in tiles (~1.8 us each on the H200): the
 # reduction over distributed shared memory and the merge launch of splits / cluster partials.
 # Fitted to side-by-side runs (graph replay, 2026-12-01, session 21): at equal tiles per CTA,
 # clusters of 4 and 8 measured alike, 2 about 1.5 tiles slower, single CTAs about 2.5.
 CLUSTER_COST_TILES = {8: 0.0, 4: 0.0, 2: 1.5, 1: 2.5}
+
+
+def key_tiles(max_kv_len: int) -> int:
+    """KV tiles of KEY_TILE keys that a request of up to max_kv_len keys spans (at least 1)."""
+    return triton.cdiv(max(max_kv_len, 1), KEY_TILE)
 
 
 def _native():
@@ -74,7 +79,7 @@ def cluster_config(rows_per_request: int, batch: int, max_kv_len: int, device_in
     32.3 at (16, 1), 34.3 at (12, 4)."""
     programs = batch * triton.cdiv(rows_per_request, BLOCK_M)
     max_splits = max(1, max(max_kv_len, 1) // MIN_SPLIT_KEYS)
-    tiles = triton.cdiv(max(max_kv_len, 1), KEY_TILE)
+    tiles = key_tiles(max_kv_len)
     best, best_cost = None, None
     for c in ([cluster] if cluster else CLUSTERS[::-1]):
         per_block = min(max_active_clusters(device_index, c) // programs, max_splits // c)
