@@ -84,19 +84,20 @@ def test_grouped_expert_gemms_match_the_expert_loop():
 @pytest.mark.cuda
 def test_bf16_tree_verify_with_real_latent_widths_runs_the_kernels(tmp_path, monkeypatch):
     """DeepSeek-V3's latent widths (512 + 64) and 16 heads: the model's tree verify on the GPU runs
-    the wgmma kernel (sm_90) and agrees with the torch attention path."""
+    the dispatcher's sm_90 kernels (the cluster kernel for these two small trees since session 21)
+    and agrees with the torch attention path."""
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the wgmma kernel is for sm_90")
-    import ddtree.kernels.mla_verify_wgmma as wgmma
+        pytest.skip("the sm_90 kernels are for the H100/H200")
+    import ddtree.kernels.dispatch as dispatch
     make_checkpoint(tmp_path, **{**CONFIGS["no_qlora_dense_only"], "kv_lora_rank": 512, "qk_rope_head_dim": 64,
                                  "num_attention_heads": 16, "num_key_value_heads": 16})
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 96, (n,), generator=gen) for n in (300, 41)]
     tokens, depths, mask, _ = random_trees([20, 9], 96, gen)
     root = torch.randint(0, 96, (2,), generator=gen)
-    calls = []
-    original = wgmma.mla_verify_attention_wgmma
-    monkeypatch.setattr(wgmma, "mla_verify_attention_wgmma", lambda *a, **k: calls.append(1) or original(*a, **k))
+    chosen = []  # the dispatcher's choices: (name, fn), or None for the torch path
+    original = dispatch.verify_kernel
+    monkeypatch.setattr(dispatch, "verify_kernel", lambda *a, **k: chosen.append(original(*a, **k)) or chosen[-1])
     outs = []
     for attention in ("auto", "torch"):
         monkeypatch.setenv("DDTREE_VERIFY_ATTN", attention)
@@ -107,6 +108,7 @@ def test_bf16_tree_verify_with_real_latent_widths_runs_the_kernels(tmp_path, mon
             model.prefill(s, prompt, chunk_size=64)
         outs.append(model.verify([0, 1], root, tokens, depths, mask, return_logits=True).logits)
         if attention == "auto":
-            assert calls, "the verify did not run the wgmma kernel"
+            names = {c[0] if c else None for c in chosen}
+            assert names and names <= {"cluster", "clusterT", "wgmma"}, f"the verify ran {names}, not an sm_90 kernel"
     for b, size in enumerate((20, 9)):
         assert_bf16_close(outs[0][b, : size + 1], outs[1][b, : size + 1], dense=True)
