@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <stdexcept>
 #include <vector>
 
 #include "attn/sm90.cuh"
@@ -102,34 +103,22 @@ __global__ void __launch_bounds__(kThreads, 1) exchange(float* sums, unsigned lo
   if (tid == 0) ns[blockIdx.x] = t1 - t0;
 }
 
-bool ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-  return e == cudaSuccess;
-}
-
-// Median over 25 launches (after 5 warm-up ones) of the CTAs' median and maximum exchange time, us.
+// Median over 25 launches (after 5 warm-up ones) of the CTAs' median and maximum exchange time, us;
+// `total` the sum of every thread's sum. CUDA errors throw (sm90.cuh's check).
 template <int C, int kBytes, int kMode>
-bool measure(int ctas, double* median_us, double* max_us, double* total) {
+void measure(int ctas, double* median_us, double* max_us, double* total) {
   auto kernel = exchange<C, kBytes, kMode>;
-  const int smem = 2 * kBytes + 1024;
-  if (!ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "smem attribute") ||
-      !ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1), "cluster attribute"))
-    return false;
+  ClusterLaunch l(kernel, C, dim3(ctas), kThreads, 2 * kBytes + 1024, nullptr);
   float* sums;
   unsigned long long* ns;
-  if (!ok(cudaMalloc(&sums, ctas * kThreads * sizeof(float)), "malloc") || !ok(cudaMalloc(&ns, ctas * 8), "malloc"))
-    return false;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = C, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(ctas), cfg.blockDim = dim3(kThreads), cfg.dynamicSmemBytes = smem, cfg.attrs = &attr,
-  cfg.numAttrs = 1;
+  check(cudaMalloc(&sums, ctas * kThreads * sizeof(float)), "malloc");
+  check(cudaMalloc(&ns, ctas * 8), "malloc");
   std::vector<double> medians, maxima;
   std::vector<unsigned long long> host(ctas);
   for (int launch = 0; launch < 30; ++launch) {
-    if (!ok(cudaLaunchKernelEx(&cfg, kernel, sums, ns), "launch") || !ok(cudaDeviceSynchronize(), "run")) return false;
-    cudaMemcpy(host.data(), ns, ctas * 8, cudaMemcpyDeviceToHost);
+    check(cudaLaunchKernelEx(&l.cfg, kernel, sums, ns), "launch");
+    check(cudaDeviceSynchronize(), "run");
+    check(cudaMemcpy(host.data(), ns, ctas * 8, cudaMemcpyDeviceToHost), "copy");
     std::sort(host.begin(), host.end());
     if (launch >= 5) medians.push_back(host[ctas / 2] * 1e-3), maxima.push_back(host.back() * 1e-3);
   }
@@ -137,21 +126,19 @@ bool measure(int ctas, double* median_us, double* max_us, double* total) {
   std::sort(maxima.begin(), maxima.end());
   *median_us = medians[medians.size() / 2], *max_us = maxima[maxima.size() / 2];
   std::vector<float> h(ctas * kThreads);
-  cudaMemcpy(h.data(), sums, h.size() * sizeof(float), cudaMemcpyDeviceToHost);
+  check(cudaMemcpy(h.data(), sums, h.size() * sizeof(float), cudaMemcpyDeviceToHost), "copy");
   *total = 0;
   for (float v : h) *total += v;
   cudaFree(sums);
   cudaFree(ns);
-  return true;
 }
 
 template <int C, int kBytes>
 bool row(int ctas) {
   double med[3], mx[3], total[3];
-  if (!measure<C, kBytes, kPull>(ctas, &med[0], &mx[0], &total[0]) ||
-      !measure<C, kBytes, kPull4>(ctas, &med[1], &mx[1], &total[1]) ||
-      !measure<C, kBytes, kPush>(ctas, &med[2], &mx[2], &total[2]))
-    return false;
+  measure<C, kBytes, kPull>(ctas, &med[0], &mx[0], &total[0]);
+  measure<C, kBytes, kPull4>(ctas, &med[1], &mx[1], &total[1]);
+  measure<C, kBytes, kPush>(ctas, &med[2], &mx[2], &total[2]);
   const double remote_kb = (C - 1) * (kBytes / C / 16 * 16) / 1024.0;  // what a CTA takes from its peers
   printf("cluster %2d x %3d CTAs, %2d KB staged a CTA (%4.1f KB from peers):", C, ctas / C, kBytes / 1024, remote_kb);
   for (int m = 0; m < 3; ++m)
@@ -166,11 +153,16 @@ bool row(int ctas) {
 int main() {
   printf("# per-CTA time from the cluster barrier to its slice summed; GB/s: bytes from peers / median time\n");
   bool good = true;
-  // The decode kernel's shapes: 16 query columns (32 KB staged) or 8 (16 KB) in clusters of 2, 6, 9,
-  // 16; alone (one cluster) and filling the device as the batch does.
-  good &= row<2, 32768>(128) && row<2, 32768>(2) && row<2, 16384>(128);
-  good &= row<6, 16384>(96) && row<6, 16384>(6);
-  good &= row<9, 16384>(126) && row<9, 16384>(9);
-  good &= row<16, 16384>(16);
+  try {
+    // The decode kernel's shapes: 16 query columns (32 KB staged) or 8 (16 KB) in clusters of 2, 6,
+    // 9, 16; alone (one cluster) and filling the device as the batch does.
+    good &= row<2, 32768>(128) && row<2, 32768>(2) && row<2, 16384>(128);
+    good &= row<6, 16384>(96) && row<6, 16384>(6);
+    good &= row<9, 16384>(126) && row<9, 16384>(9);
+    good &= row<16, 16384>(16);
+  } catch (const std::exception& e) {
+    fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
   return good ? 0 : 1;
 }
