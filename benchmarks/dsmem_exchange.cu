@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kThreads, 1) exchange(float* sums, unsigned lo
     for (int i = tid * 16; i < kSlice; i += kThreads * 16) {
       float4 v[C];
 #pragma unroll
-      for (int j = 0; j < C; ++j) v[j] = ld_peer4(peer_addr(own + i, j));
+      for (int j = 0; j < C; ++j) v[j] = ld_cluster4<C>(peer_addr(own + i, j));
 #pragma unroll
       for (int j = 0; j < C; ++j) sum += v[j].x + v[j].y + v[j].z + v[j].w;
     }
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads, 1) exchange(float* sums, unsigned lo
       for (int u = 0; u < 4; ++u)
 #pragma unroll
         for (int j = 0; j < C; ++j)
-          if (i0 + u * kRound < kSlice) v[u][j] = ld_peer4(peer_addr(own + i0 + u * kRound, j));
+          if (i0 + u * kRound < kSlice) v[u][j] = ld_cluster4<C>(peer_addr(own + i0 + u * kRound, j));
 #pragma unroll
       for (int u = 0; u < 4; ++u)
 #pragma unroll

@@ -297,8 +297,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int j = 0; j < kCluster; ++j)
         if (n < rows && qi < quads) {
-          v[i][j] = kCluster > 1 ? ld_peer4(peer_base[j] + off) : ld_shared4(peer_base[j] + off);
-          w[i][j] = kCluster > 1 ? ld_peer(peer_base[j] + L::lse + 4 * n) : ld_shared(peer_base[j] + L::lse + 4 * n);
+          v[i][j] = ld_cluster4<kCluster>(peer_base[j] + off);
+          w[i][j] = ld_cluster<kCluster>(peer_base[j] + L::lse + 4 * n);
         }
     }
 #pragma unroll

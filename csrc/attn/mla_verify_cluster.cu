@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t off = 4u * ((rank * kRowsPer + u / kQuads) * kOStride + 4 * (u % kQuads));
 #pragma unroll
       for (int j = 0; j < kCluster; ++j)
-        v[i][j] = kCluster > 1 ? ld_peer4(peer_base[j] + off) : *reinterpret_cast<const float4*>(smem + kKV + off);
+        v[i][j] = kCluster > 1 ? ld_cluster4<kCluster>(peer_base[j] + off) : *reinterpret_cast<const float4*>(smem + kKV + off);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {

@@ -86,17 +86,30 @@ __device__ __forceinline__ uint32_t peer_addr(uint32_t addr, uint32_t rank) {  /
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
   return r;
 }
-__device__ __forceinline__ float ld_peer(uint32_t addr) {
+// A float (float4) of shared memory in a cluster of kCluster CTAs: ld.shared::cluster at an address
+// in the cluster's window (peer_addr), or, in a cluster of one, ld.shared at this CTA's own address.
+template <int kCluster>
+__device__ __forceinline__ float ld_cluster(uint32_t addr) {
   float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  if constexpr (kCluster > 1)
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  else
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
   return v;
 }
-__device__ __forceinline__ float4 ld_peer4(uint32_t addr) {
+template <int kCluster>
+__device__ __forceinline__ float4 ld_cluster4(uint32_t addr) {
   float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(addr)
-               : "memory");
+  if constexpr (kCluster > 1)
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
+  else
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
   return v;
 }
 
@@ -123,16 +136,6 @@ __device__ __forceinline__ float fast_exp2(float x) {  // 2^x; -inf -> 0 (as the
   return y;
 }
 
-__device__ __forceinline__ float ld_shared(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ float4 ld_shared4(uint32_t addr) {
-  float4 v;
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
-  return v;
-}
 // The merge weights of kN partial results of a row from their log-sum-exps (log2 units), in place:
 // lse[j] becomes 2^(lse_j - lse) for the row's log-sum-exp lse over all of them, which is returned
 // in natural log (-inf, and zero weights, for a row none saw a key of).
@@ -160,7 +163,7 @@ template <int kCluster>
 __device__ __forceinline__ float cluster_row_weights(uint32_t lse_addr, float* weights) {
   float w[kCluster];
 #pragma unroll
-  for (int j = 0; j < kCluster; ++j) w[j] = kCluster > 1 ? ld_peer(peer_addr(lse_addr, j)) : ld_shared(lse_addr);
+  for (int j = 0; j < kCluster; ++j) w[j] = ld_cluster<kCluster>(kCluster > 1 ? peer_addr(lse_addr, j) : lse_addr);
   const float lse = merge_weights(w);
 #pragma unroll
   for (int j = 0; j < kCluster; ++j) weights[j] = w[j];
