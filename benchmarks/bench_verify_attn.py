@@ -1,4 +1,5 @@
-"""Tree-verify MLA attention (issue 6): the Triton kernel against its ceilings, in one run.
+"""Tree-verify MLA attention (issue 6): the dispatcher's kernel (cluster, clusterT, wgmma or
+triton) against its ceilings, in one run.
 
 For batch x tree nodes (rows per request; 1 = decode) x heads x prefix: device time (median,
 CUDA events), achieved TFLOP/s and GB/s, and side by side in the same run
@@ -440,7 +441,7 @@ def run_variants(args) -> None:
 def run_clusters(args) -> None:
     """The Gluon kernel against the cluster kernel at each cluster size's config, side by side
     under graph replay (the B 1 tree shapes of the grid and B 2 x 16 x h 8 by default; --shapes
-    for others), as in docs/verify_attention.md."""
+    for others), as in docs/verify_attention_log.md (the cluster kernel)."""
     from ddtree.kernels.mla_verify_cluster import cluster_config, mla_verify_attention_cluster
     from ddtree.kernels.mla_verify_wgmma import mla_verify_attention_wgmma
     shapes = args.shapes or ([(1, n, h, p) for n in (16, 64) for h in (8, 16) for p in (1024, 8192, 32768)]

@@ -39,7 +39,7 @@ def wgmma_verify_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: tor
     """For inputs the Triton kernel takes: True where the wgmma kernel serves them (sm_90, C 512,
     R 64, a TMA-readable cache) and DDTREE_VERIFY_ATTN is not `triton`. Decode and small trees
     included: on the H200 it beat the Triton kernel on every decode shape swept (B 1-64, h 8/16,
-    1k-32k: 0.56-0.96x its time under graph replay; docs/verify_attention.md)."""
+    1k-32k: 0.56-0.96x its time under graph replay; docs/verify_attention_log.md)."""
     if os.environ.get("DDTREE_VERIFY_ATTN", "auto") == "triton" or rows_per_request < 1 or not q_latent.is_cuda:
         return False
     supported = _wgmma_supported_fn()
