@@ -470,8 +470,7 @@ def run_decode_clusters(args) -> None:
     """The Gluon transposed kernel against the cluster decode kernel's default config and, per
     cluster size, one cluster a request (where one wave holds them) and single CTAs filling the
     wave (merged by a second launch), side by side under graph replay, with the copy ceiling."""
-    from ddtree.kernels.mla_decode_cluster import (DECODE_CLUSTERS, decode_config, key_tiles, max_active_clusters,
-                                                   mla_decode_attention_cluster)
+    from ddtree.kernels.mla_decode_cluster import decode_candidates, decode_config, mla_decode_attention_cluster
     from ddtree.kernels.mla_verify_wgmma import mla_verify_attention_wgmma
     shapes = args.shapes or DECODE_CLUSTER_SHAPES
     work = Workload(max(s[0] for s in shapes), max(s[3] for s in shapes), max(s[1] for s in shapes))
@@ -484,12 +483,9 @@ def run_decode_clusters(args) -> None:
             continue
         inputs = work.case(batch, nodes, heads, prefix, gen)
         rows, kv_bound = nodes * heads, inputs[3].shape[1] * PAGE
-        tiles = key_tiles(kv_bound)
         default = decode_config(rows, batch, kv_bound, 0)
-        configs = [default] + [(c, c) for c in DECODE_CLUSTERS[::-1]
-                               if c <= tiles and batch <= max_active_clusters(0, c, rows)]
-        splits = min(max_active_clusters(0, 1, rows) // batch, tiles)
-        configs += [(splits, 1)] if splits > 1 else []
+        fits, splits = decode_candidates(rows, batch, kv_bound, 0)
+        configs = [default] + [(c, c) for c in fits[::-1]] + ([(splits, 1)] if splits > 1 else [])
         _, nbytes = counts(batch, nodes, heads, prefix)
         copy = copy_us(*copy_pair(nbytes))  # eager, the ceiling of the grid's %copy_g
         want = mla_verify_attention_wgmma(*inputs, scale)[0]

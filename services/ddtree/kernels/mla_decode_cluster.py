@@ -52,6 +52,17 @@ def max_active_clusters(device_index: int, cluster: int, rows_per_request: int) 
         return _native().mla_decode_cluster_max_active(cluster, rows_tile(rows_per_request))
 
 
+def decode_candidates(rows_per_request: int, batch: int, max_kv_len: int,
+                      device_index: int) -> tuple[list[int], int]:
+    """What decode_config chooses from: the cluster sizes (ascending) of which one cluster per
+    request runs in one wave for the batch, at most one CTA a KV tile; and how many single CTAs a
+    request fill one wave, at most one a tile (<= 1: single CTAs do not split)."""
+    tiles = key_tiles(max_kv_len)
+    fits = [c for c in DECODE_CLUSTERS
+            if c <= tiles and batch <= max_active_clusters(device_index, c, rows_per_request)]
+    return fits, min(max_active_clusters(device_index, 1, rows_per_request) // batch, tiles)
+
+
 def decode_config(rows_per_request: int, batch: int, max_kv_len: int, device_index: int,
                   cluster: int | None = None) -> tuple[int, int]:
     """(splits, cluster). Two candidates: one cluster per request, of the size whose CTAs read the
@@ -60,13 +71,11 @@ def decode_config(rows_per_request: int, batch: int, max_kv_len: int, device_ind
     The one whose CTAs read fewer KV tiles, the merge counted as MERGE_COST_TILES, wins; ties go to
     the cluster. `cluster` forces one cluster of that size per request. More requests than one
     wave of CTAs: one CTA each."""
-    tiles = key_tiles(max_kv_len)
     if cluster:
         return cluster, cluster
-    fits = [c for c in DECODE_CLUSTERS
-            if c <= tiles and batch <= max_active_clusters(device_index, c, rows_per_request)]
+    tiles = key_tiles(max_kv_len)
+    fits, splits = decode_candidates(rows_per_request, batch, max_kv_len, device_index)
     direct = min(fits, key=lambda c: (triton.cdiv(tiles, c), c)) if fits else None
-    splits = min(max_active_clusters(device_index, 1, rows_per_request) // batch, tiles)
     if direct is None and splits <= 1:
         return 1, 1
     direct_cost = triton.cdiv(tiles, direct) if direct else float("inf")
