@@ -166,7 +166,7 @@ def test_cache_pages_are_allocated_trimmed_and_bounded():
     cache = LatentKVCache(num_layers=2, latent_dim=3, num_pages=4, page_size=4, dtype=torch.float32, device="cpu")
     cache.add_sequence(0)
     cache.reserve([0], 9)  # 3 pages
-    cache.pages[:, :, :, 0] = torch.arange(16, dtype=torch.float32).view(4, 4)  # row value = slot id
+    cache.pages[:, :4, :, 0] = torch.arange(16, dtype=torch.float32).view(4, 4)  # row value = slot id
     assert cache.allocator.num_free == 1
     with pytest.raises(CacheFullError):
         cache.reserve([0], 20)

@@ -55,6 +55,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None,
                    help="auto (cuda when available), cuda or cpu (default auto; cpu with --demo)")
     p.add_argument("--no-sidecar", action="store_true", help="build trees inside the verify service")
+    p.add_argument("--eager", action="store_true",
+                   help="no CUDA graphs in verify and drafter: every step launched op by op (default: graphs on a GPU)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0, help="per service (default 600)")
     p.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL delay at shutdown")
     p.add_argument("--max-restarts", type=int, default=5,
@@ -144,11 +146,12 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
                                            "--device", sidecar_device]))
     dr = f"127.0.0.1:{free_port()}"
     services.append(("drafter", dr, ["--drafter", args.drafter, "--target", args.target, "--host", "127.0.0.1",
-                                     "--port", dr.rsplit(":", 1)[1], "--device", sidecar_device]))
+                                     "--port", dr.rsplit(":", 1)[1], "--device", sidecar_device,
+                                     *(["--eager"] if args.eager else [])]))
     if args.port == 0:  # "any port": choose it here, so the endpoint printed and health-checked is the real one
         args.port = free_port(args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1")
     verify = ["--target", args.target, "--drafter", args.drafter, "--drafter-endpoint", dr, "--host", args.host,
-              "--port", str(args.port), "--tp", str(args.tp), "--device", device]
+              "--port", str(args.port), "--tp", str(args.tp), "--device", device, *(["--eager"] if args.eager else [])]
     if services[0][0] == "treebuild":
         verify += ["--treebuild-endpoint", services[0][1]]
     services.append(("verify", f"{args.host}:{args.port}", verify + list(args.verify_arg)))

@@ -31,6 +31,13 @@ def add_serve_parser(serve_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--transport-kind", default=os.environ.get("DDTREE_TRANSPORT_KIND", "auto"),
                    help="auto | cuda_ipc | shm | inline (env DDTREE_TRANSPORT_KIND)")
     p.add_argument("--max-workers", type=int, default=8)
+    p.add_argument("--eager", action="store_true",
+                   help="no CUDA graphs: every draft launched op by op (graphs are on by default on a GPU)")
+    p.add_argument("--graph-top-k", type=int, default=64,
+                   help="K of the captured drafts (a draft asking more runs eagerly; default 64, the verify "
+                        "service's --max-top-k)")
+    p.add_argument("--graph-max-context", type=int, default=8192,
+                   help="longest context (tokens) a captured draft serves; longer ones run eagerly (default 8192)")
     p.set_defaults(func=run)
     return p
 
@@ -64,8 +71,17 @@ def build_server(args: argparse.Namespace, tracer_provider=None):
     transport_config = dataclasses.replace(TransportConfig.from_env(f"drafter-{os.getpid()}", device=str(device)),
                                            kind=args.transport_kind)
     transport = Transport(transport_config)
+    graphs = None
+    if torch.device(device).type == "cuda" and not args.eager:
+        from ddtree.engine.draft_runner import DraftGraphs, draft_buckets
+        from ddtree.models.config import TargetConfig
+
+        context = TargetConfig.from_pretrained(args.target).max_position_embeddings
+        graphs = DraftGraphs(model, cache, draft_buckets(args.max_batch, context, args.page_size,
+                                                         args.graph_max_context), top_k=args.graph_top_k)
     servicer = DrafterServicer(model, cache, transport,
-                               DrafterLimits(max_batch=args.max_batch, max_top_k=args.max_top_k, slots=args.slots))
+                               DrafterLimits(max_batch=args.max_batch, max_top_k=args.max_top_k, slots=args.slots),
+                               graphs=graphs)
     server = GrpcServer(ServerConfig(name="drafter", host=args.host, port=args.port, max_workers=args.max_workers),
                         tracer_provider=tracer_provider)
     server.add(drafter_pb2_grpc.add_DrafterServicer_to_server, servicer, "ddtree.v1.Drafter")

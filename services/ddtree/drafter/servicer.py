@@ -12,6 +12,8 @@ context cache -> RESOURCE_EXHAUSTED; the service keeps serving either way.
 """
 from __future__ import annotations
 
+import functools
+
 import logging
 import threading
 import time
@@ -52,11 +54,13 @@ class DrafterLimits:
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, model: DFlashDrafter, cache: DrafterContextCache, transport: Transport,
-                 limits: DrafterLimits = DrafterLimits(), tracer: trace.Tracer | None = None):
+                 limits: DrafterLimits = DrafterLimits(), tracer: trace.Tracer | None = None, graphs=None):
+        """graphs: a ddtree.engine.draft_runner.DraftGraphs over the same model and cache (None: eager)."""
         cfg = model.config
         if limits.max_top_k > cfg.vocab_size:
             limits = DrafterLimits(limits.max_batch, cfg.vocab_size, limits.slots)
         self.model, self.cache, self.transport, self.limits = model, cache, transport, limits
+        self.graphs = graphs
         self.tracer = tracer or trace.get_tracer("ddtree.drafter")
         self.output = transport.create_region(OUTPUT_REGION, limits.slots, limits.slot_bytes(cfg.draft_length))
         self.timer = GpuTimer(enabled=model.device.type == "cuda", device=model.device)
@@ -131,9 +135,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                              ATTR_NEW_TOKENS: sum(f.shape[0] for f in features if f.dim() == 2)})
         slot = self._next_slot
         with self.timer.region(DRAFT, **{ATTR_BATCH: batch}):
-            lp, top = self.model.draft_topk(self.cache, [_key(peer.peer_id, r) for r in ids], features,
-                                            [item.bonus_token for item in request.items],
-                                            [item.position for item in request.items], k)
+            draft = self.graphs.draft_topk if self.graphs is not None else \
+                functools.partial(self.model.draft_topk, self.cache)
+            lp, top = draft([_key(peer.peer_id, r) for r in ids], features,
+                            [item.bonus_token for item in request.items], [item.position for item in request.items], k)
             shape = (batch, cfg.draft_length, k)
             lp_out = self.output.view(slot, torch.float32, shape)
             ids_out = self.output.view(slot, torch.int32, shape, offset=align(lp_out.numel() * 4))

@@ -189,14 +189,18 @@ class TreeBackend(Protocol):
 class LocalDrafter:
     """The DFlash drafter in this process (ddtree.models.dflash), with its context cache."""
 
-    def __init__(self, model, cache, name: str = "dflash"):
+    def __init__(self, model, cache, name: str = "dflash", graphs=None):
         self.model, self.cache, self.name = model, cache, name
+        self.graphs = graphs  # ddtree.engine.draft_runner.DraftGraphs over model and cache, or None: eager
         self.block_size = model.config.block_size
         self.vocab_size = model.config.vocab_size
 
     def draft(self, step_id, items, k):
-        return self.model.draft_topk(self.cache, [i.request_id for i in items], [i.new_features for i in items],
-                                     [i.bonus_token for i in items], [i.position for i in items], k)
+        args = ([i.request_id for i in items], [i.new_features for i in items], [i.bonus_token for i in items],
+                [i.position for i in items], k)
+        if self.graphs is not None:
+            return self.graphs.draft_topk(*args)
+        return self.model.draft_topk(self.cache, *args)
 
     def release(self, request_ids):
         for rid in request_ids:

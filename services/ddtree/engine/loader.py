@@ -9,6 +9,7 @@ import torch
 
 from ddtree.engine.backends import LocalDrafter, LocalTree
 from ddtree.engine.engine import Engine, EngineConfig
+from ddtree.engine.runner import GraphBuckets
 from ddtree.engine.target import LocalTarget
 from ddtree.tokenizer import load_tokenizer
 
@@ -43,6 +44,9 @@ class ModelSetup:
     dtype: str = "auto"
     max_context: int | None = None  # default: the target's max_position_embeddings
     tree_backend: str = "auto"      # in-process tree build: reference | cpu | cuda | auto (by device)
+    eager: bool = False             # no CUDA graphs: every verify launched op by op (the reference)
+    graph_buckets: GraphBuckets | None = None  # None: GraphBuckets.default from the engine config
+    draft_block_size: int = 0       # the drafter's block (a chain's rows) when it is remote
 
 
 def feature_layers(setup: ModelSetup) -> tuple[int, ...]:
@@ -53,12 +57,27 @@ def feature_layers(setup: ModelSetup) -> tuple[int, ...]:
     return tuple(setup.drafter_layer_ids)
 
 
+def graph_buckets(setup: ModelSetup, config: EngineConfig) -> GraphBuckets | None:
+    """The verify graphs to capture: none when eager, else the setup's or the defaults for the
+    engine's batch and budget limits and the drafter's block."""
+    if setup.eager:
+        return None
+    if setup.graph_buckets is not None:
+        return setup.graph_buckets
+    block = setup.draft_block_size
+    if setup.drafter:
+        from ddtree.models.dflash_config import DFlashConfig
+
+        block = DFlashConfig.from_pretrained(setup.drafter).block_size
+    return GraphBuckets.default(config.scheduler.max_running, config.budget.max_budget, block)
+
+
 def load_target(setup: ModelSetup, config: EngineConfig, process_group=None) -> LocalTarget:
     device = resolve_device(setup.device)
     return LocalTarget.load(setup.target, dtype=resolve_dtype(setup.dtype, device), device=device,
                             num_pages=config.scheduler.num_pages, page_size=config.scheduler.page_size,
                             max_context=setup.max_context, feature_layers=feature_layers(setup),
-                            process_group=process_group)
+                            process_group=process_group, graph_buckets=graph_buckets(setup, config))
 
 
 def local_drafter(setup: ModelSetup, target: LocalTarget, config: EngineConfig) -> LocalDrafter:
@@ -71,7 +90,13 @@ def local_drafter(setup: ModelSetup, target: LocalTarget, config: EngineConfig) 
                                             dtype=model.dtype, device=model.device)
     cache = DrafterContextCache(drafter.config, num_pages=config.scheduler.num_pages,
                                 page_size=config.scheduler.page_size, device=model.device, dtype=model.dtype)
-    return LocalDrafter(drafter, cache, name=Path(setup.drafter).name)
+    graphs = None
+    if model.device.type == "cuda" and not setup.eager:
+        from ddtree.engine.draft_runner import DraftGraphs, draft_buckets
+
+        graphs = DraftGraphs(drafter, cache, draft_buckets(config.scheduler.max_running, target.max_context,
+                                                           config.scheduler.page_size), top_k=config.max_top_k)
+    return LocalDrafter(drafter, cache, name=Path(setup.drafter).name, graphs=graphs)
 
 
 def tree_backend(setup: ModelSetup) -> str:

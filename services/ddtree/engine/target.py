@@ -12,12 +12,16 @@ independent of how the path was chosen (drafts never see the noise). Hence:
 from __future__ import annotations
 
 from pathlib import Path
+import logging
 from typing import Sequence
 
 import torch
 
 from ddtree.engine.backends import TreeBatch
+from ddtree.engine.runner import GraphBuckets, VerifyGraphs
 from ddtree.models.sampling import SamplingParams, target_probs
+
+log = logging.getLogger(__name__)
 
 _MIX = 0x9E3779B97F4A7C15
 
@@ -44,8 +48,9 @@ def sample_at_positions(logits: torch.Tensor, params: SamplingParams, seed: int,
 class LocalTarget:
     """Implements ddtree.engine.engine.TargetRunner over a TargetModel with an allocated cache."""
 
-    def __init__(self, model, *, name: str, max_context: int):
+    def __init__(self, model, *, name: str, max_context: int, graphs=None):
         self.model = model
+        self.graphs = graphs  # ddtree.engine.runner.VerifyGraphs, or None: every verify eager
         self.device = model.device
         cfg = model.cfg
         self.name, self.model_type = name, cfg.model_type
@@ -57,14 +62,22 @@ class LocalTarget:
 
     @classmethod
     def load(cls, path: str | Path, *, dtype: torch.dtype, device, num_pages: int, page_size: int,
-             max_context: int | None = None, feature_layers: Sequence[int] = (), process_group=None) -> "LocalTarget":
+             max_context: int | None = None, feature_layers: Sequence[int] = (), process_group=None,
+             graph_buckets: GraphBuckets | None = None) -> "LocalTarget":
+        """graph_buckets: capture CUDA graphs of the verify for these buckets (CUDA, tp 1 only)."""
         from ddtree.models import TargetModel
 
         model = TargetModel.from_pretrained(path, dtype=dtype, device=device, process_group=process_group,
                                             feature_layers=feature_layers)
         model.allocate_cache(num_pages, page_size)
         ctx = max_context or model.cfg.max_position_embeddings
-        return cls(model, name=Path(path).name, max_context=ctx)
+        graphs = None
+        if graph_buckets is not None and model.device.type == "cuda":
+            if model.tp.enabled:
+                log.warning("tensor parallel: verify runs eagerly (graph replay on follower ranks is not built yet)")
+            else:
+                graphs = VerifyGraphs(model, graph_buckets, max_context=ctx)
+        return cls(model, name=Path(path).name, max_context=ctx, graphs=graphs)
 
     # ---- TargetRunner ------------------------------------------------------------------------
     def prefill(self, seq_ids, prompts, samplers):
@@ -91,7 +104,11 @@ class LocalTarget:
 
     def verify(self, seq_ids, roots, trees: TreeBatch, samplers):
         sampled = [not p.greedy for p, _ in samplers]
-        out = self.model.verify(seq_ids, roots, trees.tokens, trees.depths, trees.mask, return_logits=any(sampled))
+        out = None
+        if self.graphs is not None:  # None when no bucket fits: eager
+            out = self.graphs.verify(seq_ids, roots, trees.tokens, trees.depths, trees.mask, return_logits=any(sampled))
+        if out is None:
+            out = self.model.verify(seq_ids, roots, trees.tokens, trees.depths, trees.mask, return_logits=any(sampled))
         posterior = out.posterior.cpu().clone()
         if any(sampled):
             lengths = [self.model.cache.length(s) for s in seq_ids]

@@ -285,9 +285,9 @@ class TargetModel(nn.Module):
         feats = None if outs[0][1] is None else torch.cat([o[1] for o in outs], dim=1)
         logits = None
         if head == 0:
-            token = self._argmax(x[-1:])
+            token = self.argmax_head(x[-1:])
         else:
-            rows = self._full_logits(x if head == 2 else x[-1:])
+            rows = self.full_logits(x if head == 2 else x[-1:])
             token = sample_tokens(rows[-1:], sampling, generator)
             logits = rows.unsqueeze(0) if head == 2 else None
         return StepOutput(token.view(1, 1), logits, feats)
@@ -348,10 +348,10 @@ class TargetModel(nn.Module):
         self.cache.reserve(seq_ids, t)
         prefix = torch.tensor([self.cache.length(s) for s in seq_ids], device=self.device)
         x, feats = self._forward_paged(seq_ids, tokens, prefix[:, None] + depths, mask)
-        posterior = self._argmax(x).view(b, t)
+        posterior = self.argmax_head(x).view(b, t)
         logits = None
         if need_full:
-            logits = self._full_logits(x).view(b, t, -1)
+            logits = self.full_logits(x).view(b, t, -1)
             if self.tp.rank == 0:
                 for i in range(b):
                     if not sampling[i].greedy:
@@ -378,14 +378,23 @@ class TargetModel(nn.Module):
         b, t = tokens.shape
         lengths = torch.tensor([cache.length(s) for s in seq_ids])
         slots = cache.slots(seq_ids, lengths[:, None] + torch.arange(t))  # host positions: no device read
-        prefix = lengths.to(self.device)
-        table = cache.block_table(seq_ids)
+        return self.forward_tail(tokens, positions, slots, cache.block_table(seq_ids), lengths.to(self.device), mask)
+
+    def forward_tail(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     block_table: torch.Tensor, prefix_lens: torch.Tensor, mask: torch.Tensor):
+        """The paged forward on device tensors alone (no host reads: CUDA-graph capturable).
+
+        tokens/positions/slots [B, T] (slots: flat cache rows the tail latents are written to),
+        block_table [B, pages], prefix_lens [B] (cache rows before the tail), mask [B, T, words].
+        -> normed hidden [B*T, H], features [B, T, F] (None without feature layers).
+        """
+        b, t = tokens.shape
         cos, sin = self.rotary.cos_sin(positions.reshape(-1), self.dtype)
         x = self._embed(tokens.reshape(-1))
         feats = []
         for i, layer in enumerate(self.layers):
             x = layer(x, lambda h, a=layer.self_attn, i=i: a.forward_paged(
-                h, cos, sin, self.rotary, cache, i, slots, table, prefix, mask))
+                h, cos, sin, self.rotary, self.cache, i, slots, block_table, prefix_lens, mask))
             if i in self.feature_layers and i < len(self.layers) - 1:
                 feats.append(x)
         x = self.norm(x)
@@ -397,10 +406,12 @@ class TargetModel(nn.Module):
             features = torch.cat([by_id[i] for i in self.feature_layers], dim=-1).view(b, t, -1)
         return x, features
 
-    def _argmax(self, x: torch.Tensor) -> torch.Tensor:
+    def argmax_head(self, x: torch.Tensor) -> torch.Tensor:
+        """normed hidden [S, H] -> the target's greedy token per row [S] (vocab-parallel argmax)."""
         return self.tp.argmax_over_vocab(F.linear(x, self.lm_head), self.vocab_start)
 
-    def _full_logits(self, x: torch.Tensor) -> torch.Tensor:
+    def full_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """normed hidden [S, H] -> float32 logits [S, vocab] (gathered over the vocab shards)."""
         return self.tp.all_gather_last(F.linear(x, self.lm_head).float())
 
     # ---- followers ----------------------------------------------------------------------

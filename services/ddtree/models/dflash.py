@@ -248,11 +248,15 @@ class DrafterContextCache:
     def page_table(self, request_ids: Sequence[str], first_pages: Sequence[int] | None = None) -> Tensor:
         """[B, max pages] page ids of each request from its `first_pages[b]`-th page on (default 0);
         padding repeats page 0 (the lengths mask it out)."""
+        return to_device(self.page_table_host(request_ids, first_pages), self.k.device)
+
+    def page_table_host(self, request_ids: Sequence[str], first_pages: Sequence[int] | None = None) -> Tensor:
+        """page_table on the host (int64)."""
         first = first_pages or [0] * len(request_ids)
         tails = [self._pages.get(r, [])[f:] for r, f in zip(request_ids, first)]
         width = max([len(t) for t in tails] + [0])
         rows = [t + [0] * (width - len(t)) for t in tails]
-        return to_device(torch.tensor(rows, dtype=torch.long).reshape(len(request_ids), width), self.k.device)
+        return torch.tensor(rows, dtype=torch.long).reshape(len(request_ids), width)
 
     def layer_kv(self, layer: int, page_table: Tensor) -> tuple[Tensor, Tensor]:
         """Padded context keys/values of one layer: [B, pages * page_size, kv_heads, head_dim]."""
@@ -425,39 +429,69 @@ class DFlashDrafter(nn.Module):
         k, v = self.context_kv(feats, to_device(pos, self.device))
         cache.write(spans, k, v)
 
-    def block_hidden(self, cache: DrafterContextCache, request_ids: Sequence[str], bonus_tokens: Tensor) -> Tensor:
-        """Final hidden states [B, block_size, hidden] of each request's block, attending to its cached context."""
+    def view_keys(self) -> list[tuple[bool, bool]]:
+        """The distinct (causal, sliding) attention views of the layers, in first-use order."""
         c = self.config
-        bsz, block = len(request_ids), c.block_size
+        keys = [(c.causal_layers[i], c.layer_types[i] == "sliding_attention") for i in range(c.num_hidden_layers)]
+        return list(dict.fromkeys(keys))
+
+    def block_inputs(self, cache: DrafterContextCache, request_ids: Sequence[str], bonus_tokens: Tensor):
+        """Host-side inputs of a block forward: tokens [B, block] (bonus, then mask tokens), context
+        lengths [B], and per attention view its page table [B, pages] and first context position
+        [B] (sliding layers skip whole pages no query of the block can see: keys <= L - window)."""
+        c = self.config
         host_lengths = [cache.length(r) for r in request_ids]
-        lengths = to_device(torch.tensor(host_lengths), self.device)
-        tokens = torch.full((bsz, block), c.mask_token_id, dtype=torch.long)
+        tokens = torch.full((len(request_ids), c.block_size), c.mask_token_id, dtype=torch.long)
         tokens[:, 0] = bonus_tokens
-        x = self.embed(to_device(tokens, self.device))
+        views = {}
+        for causal, sliding in self.view_keys():
+            window = c.sliding_window if sliding else None
+            skip = [max(0, n - window + 1) // cache.page_size for n in host_lengths] if window else None
+            table = cache.page_table_host(request_ids, skip)
+            start = torch.tensor(skip or [0] * len(request_ids), dtype=torch.long) * cache.page_size
+            views[(causal, sliding)] = (table, start)
+        return tokens, torch.tensor(host_lengths, dtype=torch.long), views
+
+    def block_forward(self, cache: DrafterContextCache, tokens: Tensor, lengths: Tensor,
+                      views: dict[tuple[bool, bool], tuple[Tensor, Tensor]]) -> Tensor:
+        """Device tensors only (no host reads: CUDA-graph capturable): final hidden states
+        [B, block, hidden] of each request's block, attending to its cached context."""
+        c = self.config
+        bsz, block = tokens.shape
+        x = self.embed(tokens)
         q_pos = lengths[:, None] + torch.arange(block, device=self.device)      # [B, S]
         cos, sin = self.rotary(q_pos, self.dtype)
         group = c.num_attention_heads // c.num_key_value_heads
-        views: dict[tuple[bool, bool], tuple[Tensor, Tensor]] = {}  # (causal, sliding) -> (page table, mask)
+        masks = {}
+        for key, (table, start) in views.items():
+            causal, sliding = key
+            window = c.sliding_window if sliding else None
+            ctx_pos = torch.arange(table.shape[1] * cache.page_size, device=self.device)[None] + start[:, None]
+            k_pos = torch.cat((ctx_pos, q_pos), dim=1)                           # [B, P + S]
+            valid = torch.cat((ctx_pos < lengths[:, None], torch.ones_like(q_pos, dtype=torch.bool)), dim=1)
+            masks[key] = _block_mask(q_pos, k_pos, valid, causal, window).repeat(1, 1, group, 1)
         for i, layer in enumerate(self.layers):
-            causal, sliding = c.causal_layers[i], c.layer_types[i] == "sliding_attention"
-            if (causal, sliding) not in views:
-                window = c.sliding_window if sliding else None
-                # Sliding layers skip whole pages no query of the block can see (keys > L - window).
-                skip = [max(0, n - window + 1) // cache.page_size for n in host_lengths] if window else None
-                table = cache.page_table(request_ids, skip)
-                ctx_pos = torch.arange(table.shape[1] * cache.page_size, device=self.device).expand(bsz, -1)
-                if skip is not None:
-                    ctx_pos = ctx_pos + to_device(torch.tensor(skip) * cache.page_size, self.device)[:, None]
-                k_pos = torch.cat((ctx_pos, q_pos), dim=1)                       # [B, P + S]
-                valid = torch.cat((ctx_pos < lengths[:, None], torch.ones_like(q_pos, dtype=torch.bool)), dim=1)
-                views[(causal, sliding)] = (table, _block_mask(q_pos, k_pos, valid, causal, window).repeat(1, 1, group, 1))
-            table, mask = views[(causal, sliding)]
-            ctx_k, ctx_v = cache.layer_kv(i, table)
-            x = layer(x, cos, sin, ctx_k.to(self.dtype), ctx_v.to(self.dtype), mask)
+            key = (c.causal_layers[i], c.layer_types[i] == "sliding_attention")
+            ctx_k, ctx_v = cache.layer_kv(i, views[key][0])
+            x = layer(x, cos, sin, ctx_k.to(self.dtype), ctx_v.to(self.dtype), masks[key])
         return self.norm(x)
 
-    def _prepare(self, cache: DrafterContextCache, request_ids: Sequence[str], new_features: Sequence[Tensor],
-                 bonus_tokens: Sequence[int] | Tensor, positions: Sequence[int]) -> Tensor:
+    def block_hidden(self, cache: DrafterContextCache, request_ids: Sequence[str], bonus_tokens: Tensor) -> Tensor:
+        """Final hidden states [B, block_size, hidden] of each request's block, attending to its cached context."""
+        tokens, lengths, views = self.block_inputs(cache, request_ids, bonus_tokens)
+        dev = lambda t: to_device(t, self.device)  # noqa: E731
+        return self.block_forward(cache, dev(tokens), dev(lengths),
+                                  {key: (dev(table), dev(start)) for key, (table, start) in views.items()})
+
+    def head_topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Block hidden states [B, block, hidden] -> top-k log-probs / ids of the drafted positions."""
+        logits = self.logits(hidden[:, 1:])
+        shard = self.vocab_shard if self.lm_head_weight.shape[0] != self.config.vocab_size else None
+        return topk_logprobs(logits, k, group=shard.group if shard else None, vocab_start=shard.start if shard else 0)
+
+    def prepare_step(self, cache: DrafterContextCache, request_ids: Sequence[str], new_features: Sequence[Tensor],
+                     bonus_tokens: Sequence[int] | Tensor, positions: Sequence[int]) -> Tensor:
+        """Checks a draft step and appends its new context; returns the bonus tokens (host int64)."""
         bonus = torch.as_tensor(bonus_tokens).to("cpu", torch.long).reshape(-1)  # host ints: checked here
         if bonus.numel() != len(request_ids):
             raise ValueError(f"{bonus.numel()} bonus tokens for {len(request_ids)} requests")
@@ -471,7 +505,7 @@ class DFlashDrafter(nn.Module):
     def draft_logits(self, cache: DrafterContextCache, request_ids: Sequence[str], new_features: Sequence[Tensor],
                      bonus_tokens: Sequence[int] | Tensor, positions: Sequence[int]) -> Tensor:
         """Appends the new context, then returns logits [B, block_size - 1, V_local] of the drafted positions."""
-        bonus = self._prepare(cache, request_ids, new_features, bonus_tokens, positions)
+        bonus = self.prepare_step(cache, request_ids, new_features, bonus_tokens, positions)
         if not request_ids:
             return torch.empty(0, self.config.draft_length, self.lm_head_weight.shape[0], device=self.device)
         return self.logits(self.block_hidden(cache, request_ids, bonus)[:, 1:])
@@ -487,13 +521,11 @@ class DFlashDrafter(nn.Module):
         if not 1 <= int(k) <= self.config.vocab_size:
             raise ValueError(f"k={k} must be in 1..vocab_size={self.config.vocab_size}")
         k = int(k)
-        bonus = self._prepare(cache, request_ids, new_features, bonus_tokens, positions)
+        bonus = self.prepare_step(cache, request_ids, new_features, bonus_tokens, positions)
         if not request_ids:
             shape = (0, self.config.draft_length, k)
             return (torch.empty(shape, device=self.device), torch.empty(shape, device=self.device, dtype=torch.int32))
-        logits = self.logits(self.block_hidden(cache, request_ids, bonus)[:, 1:])
-        shard = self.vocab_shard if self.lm_head_weight.shape[0] != self.config.vocab_size else None
-        return topk_logprobs(logits, k, group=shard.group if shard else None, vocab_start=shard.start if shard else 0)
+        return self.head_topk(self.block_hidden(cache, request_ids, bonus), k)
 
 
 def _block_mask(q_pos: Tensor, k_pos: Tensor, valid: Tensor, causal: bool, window: int | None) -> Tensor:

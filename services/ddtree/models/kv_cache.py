@@ -46,14 +46,16 @@ class _Sequence:
 
 
 class LatentKVCache:
-    """pages: [num_layers, num_pages, page_size, latent_dim]."""
+    """pages: [num_layers, num_pages + 1, page_size, latent_dim]. The last page (`scratch_page`)
+    belongs to no sequence: padding rows of a bucketed verify (CUDA-graph replay) write there."""
 
     def __init__(self, num_layers: int, latent_dim: int, num_pages: int, page_size: int,
                  dtype: torch.dtype, device: torch.device | str):
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
-        self.pages = torch.zeros(num_layers, num_pages, page_size, latent_dim, dtype=dtype, device=device)
+        self.pages = torch.zeros(num_layers, num_pages + 1, page_size, latent_dim, dtype=dtype, device=device)
+        self.scratch_page = num_pages
         self.allocator = PageAllocator(num_pages)
         self._seqs: dict[int, _Sequence] = {}
 
@@ -81,11 +83,21 @@ class LatentKVCache:
 
     def reserve(self, seq_ids: list[int], tail: int) -> None:
         """Makes room for `tail` tokens after each sequence's committed length (all or nothing)."""
-        need = [max(0, -(-(self._seq(s).length + tail) // self.page_size) - len(self._seq(s).pages)) for s in seq_ids]
+        seqs = [self._seq(s) for s in seq_ids]
+        need = [max(0, -(-(q.length + tail) // self.page_size) - len(q.pages)) for q in seqs]
         if sum(need) > self.allocator.num_free:
             raise CacheFullError(f"need {sum(need)} pages, {self.allocator.num_free} free")
-        for s, n in zip(seq_ids, need):
-            self._seqs[s].pages.extend(self.allocator.allocate(n))
+        for q, n in zip(seqs, need):
+            if n:
+                q.pages.extend(self.allocator.allocate(n))
+
+    def pages_of(self, seq_id: int) -> list[int]:
+        """The sequence's page ids in order (its block-table row); do not modify."""
+        return self._seq(seq_id).pages
+
+    def lengths_and_pages(self, seq_ids: list[int]) -> list[tuple[int, list[int]]]:
+        """(committed length, page ids) per sequence; do not modify the lists."""
+        return [(q.length, q.pages) for q in map(self._seq, seq_ids)]
 
     def _trim(self, seq: _Sequence) -> None:
         keep = -(-seq.length // self.page_size)

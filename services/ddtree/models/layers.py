@@ -161,35 +161,49 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        k = ids.shape[1]
-        flat = ids.reshape(-1) - self.first_expert
-        mine = ((flat >= 0) & (flat < self.num_local)).nonzero().squeeze(-1)
-        mine = mine[flat[mine].argsort(stable=True)]  # grouped by expert, token order inside
-        counts = torch.bincount(flat[mine], minlength=self.num_local)
-        tokens, token_weights = mine // k, weights.reshape(-1)[mine]
         grouped = self.grouped if self.grouped is not None else grouped_mm_available(x)
-        xs = x[tokens]
-        y = (self._experts_grouped if grouped and xs.shape[0] else self._experts_loop)(xs, counts)
-        out = torch.zeros_like(x).index_add_(0, tokens, (y * token_weights[:, None]).to(x.dtype))
+        out = (self._routed_grouped if grouped else self._routed_loop)(x, weights, ids)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
 
-    def _experts_loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """xs [M, H] rows sorted by local expert, counts [E_local] -> expert outputs [M, H]."""
-        out, start = torch.empty_like(xs), 0
-        for expert, n in enumerate(counts.tolist()):
+    def _routed_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's routed experts, one GEMM pair per expert hit (reads the counts on the host)."""
+        k = ids.shape[1]
+        flat = ids.reshape(-1) - self.first_expert
+        mine = ((flat >= 0) & (flat < self.num_local)).nonzero().squeeze(-1)
+        mine = mine[flat[mine].argsort(stable=True)]  # grouped by expert, token order inside
+        tokens, token_weights = mine // k, weights.reshape(-1)[mine]
+        xs, out, start = x[tokens], torch.empty(mine.shape[0], x.shape[1], dtype=x.dtype, device=x.device), 0
+        for expert, n in enumerate(torch.bincount(flat[mine], minlength=self.num_local).tolist()):
             if n:
                 gate, up = F.linear(xs[start : start + n], self.w13[expert]).chunk(2, dim=-1)
                 out[start : start + n] = F.linear(F.silu(gate) * up, self.w2[expert])
                 start += n
-        return out
+        return torch.zeros_like(x).index_add_(0, tokens, (out * token_weights[:, None]).to(x.dtype))
 
-    def _experts_grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Same as _experts_loop as two grouped GEMMs (CUDA bf16, sm90+): no per-expert launches or count sync."""
-        offs = counts.cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The same as two grouped GEMMs (CUDA bf16, sm90+) on fixed-size buffers: all S*k
+        (token, expert) pairs sorted by local expert, pairs of other ranks' experts in a last
+        group the GEMMs skip; counts and offsets stay on the device (no host sync: capturable)."""
+        k = ids.shape[1]
+        flat = ids.reshape(-1) - self.first_expert
+        local = (flat >= 0) & (flat < self.num_local)
+        key = torch.where(local, flat, self.num_local)
+        order = key.argsort(stable=True)  # grouped by expert, token order inside
+        counts = torch.zeros(self.num_local + 1, dtype=torch.int32, device=x.device).scatter_add_(
+            0, key, torch.ones_like(key, dtype=torch.int32))
+        offs = counts[:-1].cumsum(0).to(torch.int32)
+        tokens, mine = order // k, local[order]  # pair i belongs to token i // k
+        gate, up = torch._grouped_mm(x[tokens], self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+        # rows past offs[-1] (other ranks' experts) are never written by the GEMMs: select, not multiply
+        y = torch.where(mine[:, None], y * weights.reshape(-1)[order][:, None], 0.0)
+        # back to (token, choice) order and summed over the k choices in float32: deterministic (an
+        # index_add_ of the k rows would add them in atomic order, which changes the bf16 result)
+        pairs = torch.empty_like(y)
+        pairs[order] = y
+        return pairs.view(x.shape[0], k, -1).sum(1).to(x.dtype)
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:

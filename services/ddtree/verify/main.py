@@ -80,6 +80,13 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
                    help="before reporting SERVING, decode a few synthetic requests at every batch size and mode "
                         "so one-time costs (kernel JIT, library heuristics) are not paid by live requests "
                         "(auto: on for a GPU, off on CPU)")
+    s.add_argument("--eager", action="store_true",
+                   help="no CUDA graphs: launch every verify op by op (the reference; graphs are on by default on a GPU)")
+    s.add_argument("--graph-batches", default=None, metavar="B,B,...",
+                   help="batch sizes that get a verify graph (default: 1,2,4,8, every 16, --max-running)")
+    s.add_argument("--graph-nodes", default=None, metavar="T,T,...",
+                   help="tree rows per request, root included, that get a verify graph (default: 1, 2^k+1 up to "
+                        "--max-budget + 1, the drafter's block)")
     s.add_argument("--reattach-after-s", type=float, default=5.0,
                    help="a failed drafter/sidecar is bypassed this long before it is tried again")
 
@@ -106,6 +113,17 @@ def engine_config(args, device: str = "cpu"):
         max_tokens_limit=args.max_tokens_limit, default_max_tokens=min(args.default_max_tokens, args.max_tokens_limit),
         max_top_k=args.max_top_k, reattach_after_s=args.reattach_after_s,
         prefill_tokens_per_step=args.prefill_tokens_per_step)
+
+
+def explicit_buckets(args, config):
+    """GraphBuckets from --graph-batches / --graph-nodes (the other list defaulted), or None."""
+    if args.graph_batches is None and args.graph_nodes is None:
+        return None
+    from ddtree.engine.runner import GraphBuckets
+
+    default = GraphBuckets.default(config.scheduler.max_running, config.budget.max_budget)
+    return GraphBuckets.parse(args.graph_batches or ",".join(map(str, default.batches)),
+                              args.graph_nodes or ",".join(map(str, default.nodes)))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,11 +157,15 @@ def serve(args, provider, log: logging.Logger) -> int:
     if args.drafter and args.tp > 1 and not args.drafter_endpoint:
         raise ValueError("with --tp > 1 the drafter runs as its own service: pass --drafter-endpoint")
     device = resolve_device(args.device)
-    setup = ModelSetup(target=args.target, drafter=args.drafter, device=rank_device(device, 0), dtype=args.dtype,
-                       max_context=args.max_context, tree_backend=args.tree_backend)
-    if args.drafter_endpoint:  # remote drafter: only its feature layers matter here
-        setup = dataclasses.replace(setup, drafter=None, drafter_layer_ids=feature_layers(setup))
     config = engine_config(args, device)
+    setup = ModelSetup(target=args.target, drafter=args.drafter, device=rank_device(device, 0), dtype=args.dtype,
+                       max_context=args.max_context, tree_backend=args.tree_backend, eager=args.eager,
+                       graph_buckets=explicit_buckets(args, config))
+    if args.drafter_endpoint:  # remote drafter: only its feature layers and block matter here
+        from ddtree.models.dflash_config import DFlashConfig
+
+        setup = dataclasses.replace(setup, drafter=None, drafter_layer_ids=feature_layers(setup),
+                                    draft_block_size=DFlashConfig.from_pretrained(args.drafter).block_size)
     server = GrpcServer(ServerConfig(name="verify", host=args.host, port=args.port, tls_cert=args.tls_cert,
                                      tls_key=args.tls_key, max_workers=handler_threads(args)), provider)
 

@@ -1,0 +1,274 @@
+"""CUDA-graph replay of the target's tree verify, one graph per (batch bucket, nodes bucket).
+
+Why: a verify of the bundled pair is ~500 small kernel launches; launched one by one from Python
+the host takes 10-20x the GPU's time (benchmarks/results/h200/step_graphs.txt). A replayed graph
+launches them all at once.
+
+How (the pattern of nano-vllm's and SGLang's decode graphs, for trees):
+- A step of B requests whose trees have T rows each (root included; the engine pads trees to the
+  widest) runs the graph of the smallest bucket (B', T') with B' >= B and T' >= T.
+- Padding: the extra nodes of a real request and every node of an idle request see only
+  themselves (mask), write their latents to the cache's scratch page (slots) and read a block
+  table that names only pages they may read. Their outputs are dropped; real rows never see them,
+  so the real rows compute exactly what an unpadded verify computes.
+- All per-step inputs (tokens, positions, cache slots, prefix lengths, block table, mask) are
+  computed on the host from what the host already knows and packed into ONE pinned int64 buffer,
+  copied to the device in one copy; each bucket's graph reads its views of the device buffer in
+  place (a graph replays fixed addresses: inputs are written into them, never passed as new
+  tensors). Outputs land in static buffers (posterior, hidden, features) valid until the next
+  verify.
+- Graphs are captured at start-up, largest first, into one shared memory pool. Prefill stays
+  eager. Tensor parallelism replays eagerly for now (the followers would need the same graphs).
+
+`mode="padded"` runs the same padded, packed path without capturing (CPU tests of the padding
+logic); `mode="graph"` captures (CUDA only).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ddtree.models.deepseek import StepOutput
+
+log = logging.getLogger(__name__)
+
+MODES = ("graph", "padded")
+
+
+@dataclass(frozen=True)
+class GraphBuckets:
+    """Batch sizes and rows per request (root included) that get a graph; both ascending."""
+
+    batches: tuple[int, ...]
+    nodes: tuple[int, ...]
+
+    def __post_init__(self):
+        for name, values in (("batch", self.batches), ("nodes", self.nodes)):
+            if not values or any(v < 1 for v in values) or list(values) != sorted(set(values)):
+                raise ValueError(f"graph {name} buckets must be ascending distinct integers >= 1; got {values}")
+
+    @staticmethod
+    def default(max_running: int, max_budget: int, block_size: int = 0) -> "GraphBuckets":
+        """Batches 1, 2, 4, 8, then every 16 up to max_running (and max_running itself); rows 1
+        (ar), 2^k + 1 for every power-of-two budget up to max_budget (the budget policy's sizes),
+        block_size (a chain) and max_budget + 1."""
+        batches = {b for b in (1, 2, 4, 8) if b < max_running} | set(range(16, max_running, 16)) | {max_running}
+        nodes = {1, max_budget + 1} | {(1 << k) + 1 for k in range(max_budget.bit_length()) if 1 << k <= max_budget}
+        if block_size > 1:
+            nodes.add(block_size)
+        return GraphBuckets(tuple(sorted(batches)), tuple(sorted(nodes)))
+
+    @staticmethod
+    def parse(batches: str, nodes: str) -> "GraphBuckets":
+        """From comma lists (flags), e.g. '1,2,4,8,16' and '1,5,9,17'."""
+        try:
+            return GraphBuckets(tuple(sorted({int(v) for v in batches.split(",")})),
+                                tuple(sorted({int(v) for v in nodes.split(",")})))
+        except ValueError as exc:
+            raise ValueError(f"graph buckets must be comma-separated integers: {exc}") from None
+
+    def pick(self, batch: int, rows: int) -> tuple[int, int] | None:
+        """The smallest bucket holding `batch` requests of `rows` rows, or None (eager)."""
+        b = next((v for v in self.batches if v >= batch), None)
+        t = next((v for v in self.nodes if v >= rows), None)
+        return None if b is None or t is None else (b, t)
+
+    def all(self) -> list[tuple[int, int]]:
+        return [(b, t) for b in self.batches for t in self.nodes]
+
+
+def _words(t: int) -> int:
+    return (t + 63) // 64
+
+
+def self_only_mask(b: int, t: int) -> np.ndarray:
+    """[b, t, words] int64: row i sees only itself (the padding rule)."""
+    mask = np.zeros((b, t, _words(t)), dtype=np.uint64)
+    i = np.arange(t)
+    mask[:, i, i // 64] = np.uint64(1) << (i % 64).astype(np.uint64)
+    return mask.view(np.int64)
+
+
+class BucketGraphs:
+    """What the verify and draft runners share: the pinned host buffer and its device copy (each
+    bucket's inputs packed from the start), one copy and one replay a step, and the capture of
+    every bucket, largest first, into one memory pool. Subclasses give `_size(b, x)` (int64 words
+    of a bucket's inputs), `_fill_idle(b, x)` (inputs of a batch of idle rows) and `_forward(b, x)`
+    (the captured work: reads the device buffer, writes the static outputs)."""
+
+    what = "bucketed"
+
+    def _init_buffers(self, device: torch.device, size: int, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+        if mode == "graph" and device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; use mode='padded' (or --eager) on CPU")
+        self.mode, self.device = mode, device
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros(size, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.capture_s, self.capture_bytes = 0.0, 0
+        self.replays = self.fallbacks = 0
+
+    def _run(self, bucket: tuple[int, int]) -> None:
+        """Copies the bucket's packed inputs (one non-blocking copy) and replays (or runs) it."""
+        used = self._size(*bucket)
+        self.dev[:used].copy_(self.host[:used], non_blocking=True)
+        if self.mode == "graph":
+            self.graphs[bucket].replay()
+        else:
+            self._forward(*bucket)
+        self.replays += 1
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        """Two eager runs per bucket (Triton JIT, library heuristics) then its capture, on one side
+        stream, largest bucket first, all into the first graph's pool."""
+        start = time.monotonic()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        pool, stream = None, torch.cuda.Stream(self.device)
+        for bucket in sorted(self.buckets.all(), key=lambda k: (k[0] * k[1], k), reverse=True):
+            self._fill_idle(*bucket)
+            used = self._size(*bucket)
+            self.dev[:used].copy_(self.host[:used])
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(*bucket)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self._forward(*bucket)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.monotonic() - start
+        self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        log.info("captured %d %s graphs (buckets %s x %s) in %.1f s, %.0f MiB", len(self.graphs), self.what,
+                 list(self.buckets.batches), list(self.buckets.nodes), self.capture_s, self.capture_bytes / 2**20,
+                 extra={"graphs": len(self.graphs), "capture_s": round(self.capture_s, 2)})
+
+
+class VerifyGraphs(BucketGraphs):
+    """Bucketed verify over a TargetModel with an allocated cache (tensor parallel: not yet)."""
+
+    what = "verify"
+
+    def __init__(self, model, buckets: GraphBuckets, *, max_context: int, mode: str = "graph"):
+        if model.tp.enabled:
+            raise ValueError("bucketed verify does not run tensor parallel yet")
+        self.model, self.buckets = model, buckets
+        cache = model._need_cache()
+        self.cache, self.page_size = cache, cache.page_size
+        self.scratch = cache.scratch_page
+        self.width = -(-(max_context + max(buckets.nodes)) // self.page_size)  # block-table pages per request
+        bmax, tmax = max(buckets.batches), max(buckets.nodes)
+        self._init_buffers(model.device, self._size(bmax, tmax), mode)
+        n, hidden = bmax * tmax, model.cfg.hidden_size
+        self.posterior = torch.zeros(n, dtype=torch.int64, device=model.device)
+        self.hidden = torch.zeros(n, hidden, dtype=model.dtype, device=model.device)
+        fw = len(model.feature_layers) * hidden
+        self.features = torch.zeros(n, fw, dtype=model.dtype, device=model.device) if fw else None
+        self._masks = {t: self_only_mask(bmax, t) for t in buckets.nodes}
+        if mode == "graph":
+            self._capture_all()
+
+    # ---- layout: one int64 buffer, each bucket's inputs packed from its start ---------------------
+    def _sizes(self, b: int, t: int) -> list[int]:
+        n = b * t
+        return [n, n, n, b, b * self.width, n * _words(t)]  # tokens positions slots prefix table mask
+
+    def _size(self, b: int, t: int) -> int:
+        return sum(self._sizes(b, t))
+
+    def _views(self, buf, b: int, t: int):
+        """(tokens, positions, slots [b, t], prefix [b], table [b, width], mask [b, t, words]) of buf."""
+        shapes = [(b, t), (b, t), (b, t), (b,), (b, self.width), (b, t, _words(t))]
+        views, start = [], 0
+        for n, shape in zip(self._sizes(b, t), shapes):
+            views.append(buf[start:start + n].reshape(shape))
+            start += n
+        return views
+
+    # ---- per step ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def verify(self, seq_ids, roots: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor,
+               mask: torch.Tensor, *, return_logits: bool = False) -> StepOutput | None:
+        """Like TargetModel.verify (greedy posterior), or None when no bucket fits (call it then).
+
+        Host tensors in (the trees as built); posterior [B, N+1] and features [B, N+1, F] are views
+        of static device buffers, valid until the next call.
+        """
+        b, t = len(seq_ids), tokens.shape[1] + 1
+        bucket = self.buckets.pick(b, t)
+        cache = self.cache
+        if bucket is None or any(-(-(cache.length(s) + t) // self.page_size) > self.width for s in seq_ids):
+            self.fallbacks += 1
+            return None
+        self._fill(seq_ids, roots, tokens, depths, mask, *bucket)
+        self._run(bucket)
+        bb, tt = bucket
+        posterior = self.posterior[:bb * tt].view(bb, tt)[:b, :t]
+        features = None if self.features is None else self.features[:bb * tt].view(bb, tt, -1)[:b, :t]
+        logits = None
+        if return_logits:
+            logits = self.model.full_logits(self.hidden[:bb * tt]).view(bb, tt, -1)[:b, :t]
+        return StepOutput(posterior, logits, features)
+
+    def _fill(self, seq_ids, roots, tokens, depths, mask, bb: int, tt: int) -> None:
+        """Writes the padded inputs of `bucket` into the pinned host buffer (checks them first)."""
+        b, t = len(seq_ids), tokens.shape[1] + 1
+        root = roots.reshape(-1).to(torch.int64).numpy()
+        toks = tokens.to(torch.int64).numpy()
+        deps = depths.to(torch.int64).numpy()
+        words = mask.view(torch.int64).numpy() if mask.dtype == torch.uint64 else mask.to(torch.int64).numpy()
+        if root.shape != (b,) or deps.shape != toks.shape or words.shape != (b, t, _words(t)):
+            raise ValueError(f"expected root_tokens [{b}], tree_tokens/tree_depths [{b}, {t - 1}], mask "
+                             f"[{b}, {t}, {_words(t)}]; got {tuple(roots.shape)}, {tuple(tokens.shape)}, "
+                             f"{tuple(depths.shape)}, {tuple(mask.shape)}")
+        vocab = self.model.cfg.vocab_size
+        real = toks >= 0
+        if (root < 0).any() or (root >= vocab).any() or (toks[real] >= vocab).any():
+            raise ValueError(f"tree has token ids outside 0..{vocab - 1}")
+        if (deps[real] < 1).any() or (deps[real] >= t).any():
+            raise ValueError("tree_depths of real nodes must be in 1..N")
+        self.cache.reserve(list(seq_ids), t)  # raises CacheFullError before anything is written
+        tok_v, pos_v, slot_v, prefix_v, table_v, mask_v = self._views(self.host_np, bb, tt)
+        ps, scratch = self.page_size, self.scratch
+        lengths = np.zeros(bb, dtype=np.int64)
+        table_v[:] = scratch
+        for i, (length, pages) in enumerate(self.cache.lengths_and_pages(seq_ids)):
+            lengths[i] = length
+            table_v[i, :len(pages)] = pages
+        prefix_v[:] = lengths
+        tok_v[:] = 0
+        tok_v[:b, 0] = root
+        tok_v[:b, 1:t] = np.where(real, toks, 0)
+        pos_v[:] = lengths[:, None]
+        pos_v[:b, 1:t] += np.where(real, deps, 0)
+        rows = lengths[:, None] + np.arange(tt)
+        page_col = np.minimum(rows // ps, self.width - 1)
+        slot_v[:] = table_v[np.arange(bb)[:, None], page_col] * ps + rows % ps
+        slot_v[:, t:] = scratch * ps + np.arange(t, tt) % ps  # padding nodes write the scratch page
+        slot_v[b:] = scratch * ps + np.arange(tt) % ps
+        mask_v[:] = self._masks[tt][:bb]
+        mask_v[:b, :t, :] = 0
+        mask_v[:b, :t, :words.shape[2]] = words
+
+    def _forward(self, b: int, t: int) -> None:
+        tokens, positions, slots, prefix, table, mask = self._views(self.dev, b, t)
+        x, feats = self.model.forward_tail(tokens, positions, slots, table, prefix, mask)
+        n = b * t
+        self.posterior[:n].copy_(self.model.argmax_head(x))
+        self.hidden[:n].copy_(x)
+        if self.features is not None:
+            self.features[:n].copy_(feats.reshape(n, -1))
+
+    def _fill_idle(self, bb: int, tt: int) -> None:
+        empty = torch.empty(0, 0, dtype=torch.int64)
+        self._fill([], torch.empty(0, dtype=torch.int64), empty, empty, torch.empty(0, 1, 1, dtype=torch.int64), bb, tt)
