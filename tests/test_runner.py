@@ -165,3 +165,75 @@ def test_verify_service_flags_set_the_buckets():
     assert args.eager and buckets.nodes == (1, 17) and buckets.batches == (1, 2, 4, 8)
     with pytest.raises(ValueError, match="comma-separated"):
         explicit_buckets(parse("--graph-batches", "1,,2"), engine_config(parse()))
+
+
+def _tp_scenario(model, verify) -> list[torch.Tensor]:
+    """A few verify + commit steps over two sequences; `verify` is the runner's or the model's."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = model.cfg.vocab_size
+    for s, n in ((3, 9), (8, 4)):
+        model.add_sequence(s)
+        model.prefill(s, torch.randint(0, vocab, (n,), generator=gen))
+    outs = []
+    for step, sizes in enumerate(([6, 2], [0, 0], [3, 8], [1, 4])):
+        tokens, depths, mask, _ = random_trees(sizes, vocab, gen)
+        root = torch.randint(0, vocab, (2,), generator=gen)
+        out = verify([3, 8], root, tokens, depths, mask, return_logits=step % 2 == 1)
+        # clones: the runner's outputs are views of buffers the next step overwrites
+        outs += [t.clone() for t in (out.posterior, out.features, *((out.logits,) if step % 2 else ()))]
+        keep = torch.full((2, max(sizes) + 1), -1, dtype=torch.int64)
+        keep[:, 0] = 0
+        model.commit([3, 8], keep)
+    return outs
+
+
+def _tp_worker(rank: int, world: int, path: str, port: int) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from ddtree.engine.runner import follow_graphs
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = None
+    try:
+        torch.set_num_threads(1)
+        model = TargetModel.from_pretrained(path, dtype=torch.float32, process_group=dist.group.WORLD,
+                                            feature_layers=FEATURE_LAYERS)
+        if rank:
+            follow_graphs(model)
+            model.follow()
+            return
+        try:
+            model.allocate_cache(num_pages=48, page_size=4)
+            runner = VerifyGraphs(model, GraphBuckets((1, 2), (1, 5, 9)), max_context=40, mode="padded")
+            got = _tp_scenario(model, runner.verify)
+            assert runner.replays == 4
+        finally:
+            model.stop_followers()
+        single = _model(path)
+        want = _tp_scenario(single, single.verify)
+        for g, w in zip(got, want):
+            if g.dtype.is_floating_point:
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=3e-5)
+            else:
+                assert torch.equal(g, w)
+    finally:
+        model = None
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
+        dist.destroy_process_group()
+
+
+def test_tp2_followers_replay_rank0s_buckets_under_gloo(checkpoint):
+    """TP=2 over gloo: rank 0's bucketed verify (padded, op by op) drives the follower through the
+    model's extension calls; the result equals an unpadded TP=1 verify."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_tp_worker, args=(2, str(checkpoint), port), nprocs=2, join=True)

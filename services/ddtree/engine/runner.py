@@ -18,7 +18,9 @@ How (the pattern of nano-vllm's and SGLang's decode graphs, for trees):
   tensors). Outputs land in static buffers (posterior, hidden, features) valid until the next
   verify.
 - Graphs are captured at start-up, largest first, into one shared memory pool. Prefill stays
-  eager. Tensor parallelism replays eagerly for now (the followers would need the same graphs).
+  eager. Tensor parallel: rank 0 announces the runner and each replay through the model's
+  follow protocol (TargetModel extensions); followers (follow_graphs) capture and replay the
+  same buckets on rank 0's packed inputs.
 
 `mode="padded"` runs the same padded, packed path without capturing (CPU tests of the padding
 logic); `mode="graph"` captures (CUDA only).
@@ -81,6 +83,43 @@ class GraphBuckets:
         return [(b, t) for b in self.batches for t in self.nodes]
 
 
+GRAPHS_INIT, GRAPHS_RUN = "verify_graphs.init", "verify_graphs.run"  # TargetModel extensions
+
+
+def _encode_init(buckets: GraphBuckets, max_context: int, mode: str) -> torch.Tensor:
+    return torch.tensor([len(buckets.batches), *buckets.batches, len(buckets.nodes), *buckets.nodes, max_context,
+                         MODES.index(mode)], dtype=torch.int64)
+
+
+def _decode_init(codes: list[int]) -> tuple[GraphBuckets, int, str]:
+    nb = codes[0]
+    batches, rest = tuple(codes[1:1 + nb]), codes[1 + nb:]
+    nodes = tuple(rest[1:1 + rest[0]])
+    max_context, mode = rest[1 + rest[0]:]
+    return GraphBuckets(batches, nodes), max_context, MODES[mode]
+
+
+def follow_graphs(model) -> None:
+    """Tensor-parallel ranks > 0, before model.follow(): build the verify runner when rank 0
+    builds its own, and replay each bucket rank 0 replays, on rank 0's packed inputs (the same
+    collectives in the same order, so NCCL collectives inside the graphs pair up)."""
+    state: dict[str, VerifyGraphs] = {}
+
+    def init(args: list[torch.Tensor]) -> None:
+        buckets, max_context, mode = _decode_init(args[0].tolist())
+        state["graphs"] = VerifyGraphs(model, buckets, max_context=max_context, mode=mode)
+
+    def run(args: list[torch.Tensor]) -> None:
+        graphs, (bb, tt, t, logits, *seq_ids) = state["graphs"], args[0].tolist()
+        model.cache.reserve(seq_ids, t)  # page lists stay identical to rank 0's
+        graphs._run((bb, tt), args[1])
+        if logits:
+            model.full_logits(graphs.hidden[:bb * tt])
+
+    model.register_extension(GRAPHS_INIT, init)
+    model.register_extension(GRAPHS_RUN, run)
+
+
 def _words(t: int) -> int:
     return (t + 63) // 64
 
@@ -102,11 +141,15 @@ class BucketGraphs:
 
     what = "bucketed"
 
-    def _init_buffers(self, device: torch.device, size: int, mode: str) -> None:
+    @staticmethod
+    def _check_mode(mode: str, device: torch.device) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
         if mode == "graph" and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; use mode='padded' (or --eager) on CPU")
+
+    def _init_buffers(self, device: torch.device, size: int, mode: str) -> None:
+        self._check_mode(mode, device)
         self.mode, self.device = mode, device
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.host_np = self.host.numpy()
@@ -115,10 +158,11 @@ class BucketGraphs:
         self.capture_s, self.capture_bytes = 0.0, 0
         self.replays = self.fallbacks = 0
 
-    def _run(self, bucket: tuple[int, int]) -> None:
-        """Copies the bucket's packed inputs (one non-blocking copy) and replays (or runs) it."""
+    def _run(self, bucket: tuple[int, int], packed: torch.Tensor | None = None) -> None:
+        """Copies the bucket's packed inputs (the host buffer, or `packed`: a follower's copy of
+        rank 0's) in one non-blocking copy and replays (or runs) the bucket."""
         used = self._size(*bucket)
-        self.dev[:used].copy_(self.host[:used], non_blocking=True)
+        self.dev[:used].copy_(self.host[:used] if packed is None else packed, non_blocking=True)
         if self.mode == "graph":
             self.graphs[bucket].replay()
         else:
@@ -155,14 +199,18 @@ class BucketGraphs:
 
 
 class VerifyGraphs(BucketGraphs):
-    """Bucketed verify over a TargetModel with an allocated cache (tensor parallel: not yet)."""
+    """Bucketed verify over a TargetModel with an allocated cache."""
 
     what = "verify"
 
     def __init__(self, model, buckets: GraphBuckets, *, max_context: int, mode: str = "graph"):
-        if model.tp.enabled:
-            raise ValueError("bucketed verify does not run tensor parallel yet")
+        """Tensor parallel: build it on rank 0 only; the followers (follow_graphs) build theirs
+        when it is announced, capture in step with rank 0 and replay rank 0's inputs."""
         self.model, self.buckets = model, buckets
+        self._check_mode(mode, model.device)
+        model._need_cache()
+        # the followers build the same runner before anything is captured
+        model.announce_extension(GRAPHS_INIT, [_encode_init(buckets, max_context, mode)])
         cache = model._need_cache()
         self.cache, self.page_size = cache, cache.page_size
         self.scratch = cache.scratch_page
@@ -211,6 +259,9 @@ class VerifyGraphs(BucketGraphs):
             self.fallbacks += 1
             return None
         self._fill(seq_ids, roots, tokens, depths, mask, *bucket)
+        if self.model.tp.enabled:  # the followers replay the same bucket on rank 0's inputs
+            meta = torch.tensor([*bucket, t, int(return_logits), *seq_ids], dtype=torch.int64)
+            self.model.announce_extension(GRAPHS_RUN, [meta, self.host[:self._size(*bucket)]])
         self._run(bucket)
         bb, tt = bucket
         posterior = self.posterior[:bb * tt].view(bb, tt)[:b, :t]

@@ -12,7 +12,6 @@ independent of how the path was chosen (drafts never see the noise). Hence:
 from __future__ import annotations
 
 from pathlib import Path
-import logging
 from typing import Sequence
 
 import torch
@@ -20,8 +19,6 @@ import torch
 from ddtree.engine.backends import TreeBatch
 from ddtree.engine.runner import GraphBuckets, VerifyGraphs
 from ddtree.models.sampling import SamplingParams, target_probs
-
-log = logging.getLogger(__name__)
 
 _MIX = 0x9E3779B97F4A7C15
 
@@ -64,7 +61,7 @@ class LocalTarget:
     def load(cls, path: str | Path, *, dtype: torch.dtype, device, num_pages: int, page_size: int,
              max_context: int | None = None, feature_layers: Sequence[int] = (), process_group=None,
              graph_buckets: GraphBuckets | None = None) -> "LocalTarget":
-        """graph_buckets: capture CUDA graphs of the verify for these buckets (CUDA, tp 1 only)."""
+        """graph_buckets: capture CUDA graphs of the verify for these buckets (CUDA)."""
         from ddtree.models import TargetModel
 
         model = TargetModel.from_pretrained(path, dtype=dtype, device=device, process_group=process_group,
@@ -72,11 +69,8 @@ class LocalTarget:
         model.allocate_cache(num_pages, page_size)
         ctx = max_context or model.cfg.max_position_embeddings
         graphs = None
-        if graph_buckets is not None and model.device.type == "cuda":
-            if model.tp.enabled:
-                log.warning("tensor parallel: verify runs eagerly (graph replay on follower ranks is not built yet)")
-            else:
-                graphs = VerifyGraphs(model, graph_buckets, max_context=ctx)
+        if graph_buckets is not None and model.device.type == "cuda":  # followers: runner.follow_graphs
+            graphs = VerifyGraphs(model, graph_buckets, max_context=ctx)
         return cls(model, name=Path(path).name, max_context=ctx, graphs=graphs)
 
     # ---- TargetRunner ------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from .parallel import TensorParallel, broadcast_call, receive_call
 from .rope import RotaryEmbedding
 from .sampling import GREEDY, SamplingParams, sample_tokens
 
-_OPS = ("stop", "logits", "allocate_cache", "add_sequence", "release", "prefill", "verify", "commit")
+_OPS = ("stop", "logits", "allocate_cache", "add_sequence", "release", "prefill", "verify", "commit", "extension")
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ class TargetModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, cfg.rope_interleave).to(self.device)
         self.cache: LatentKVCache | None = None
         self._following = False
+        self._extensions: dict[str, Callable[[list[torch.Tensor]], None]] = {}
 
     # ---- loading ------------------------------------------------------------------------
     @classmethod
@@ -414,6 +415,18 @@ class TargetModel(nn.Module):
         """normed hidden [S, H] -> float32 logits [S, vocab] (gathered over the vocab shards)."""
         return self.tp.all_gather_last(F.linear(x, self.lm_head).float())
 
+    # ---- extensions: collective calls of code built on the model (e.g. a graph runner) ---------
+    def register_extension(self, name: str, handler: Callable[[list[torch.Tensor]], None]) -> None:
+        """Ranks > 0, before follow(): `handler(tensors)` runs when rank 0 calls
+        announce_extension(name, tensors), in the same order as every other call."""
+        self._extensions[name] = handler
+
+    def announce_extension(self, name: str, tensors: list[torch.Tensor]) -> None:
+        """Rank 0: the followers run their handler of `name` with these tensors (int64 name codes
+        travel first); a no-op without tensor parallelism or on a following rank."""
+        code = torch.tensor(list(name.encode()), dtype=torch.int64, device=self.device)
+        self._announce("extension", [code, *tensors])
+
     # ---- followers ----------------------------------------------------------------------
     @torch.inference_mode()
     def follow(self) -> None:
@@ -444,6 +457,11 @@ class TargetModel(nn.Module):
                     self._verify(ids[:-1], args[1], args[2], args[3], bool(ids[-1]))
                 elif name == "commit":
                     self.cache.commit(args[0].tolist(), args[1])
+                elif name == "extension":
+                    ext = bytes(args[0].tolist()).decode()
+                    if ext not in self._extensions:
+                        raise RuntimeError(f"rank {self.tp.rank}: no handler registered for extension {ext!r}")
+                    self._extensions[ext](args[1:])
         finally:
             self._following = False
 

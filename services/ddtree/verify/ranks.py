@@ -131,6 +131,7 @@ def follower_main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from ddtree.engine.loader import resolve_dtype
+    from ddtree.engine.runner import follow_graphs
     from ddtree.models import TargetModel
 
     device = rank_device(args.device, args.rank)
@@ -139,6 +140,7 @@ def follower_main(argv: list[str] | None = None) -> int:
     model = TargetModel.from_pretrained(args.target, dtype=resolve_dtype(args.dtype, device), device=device,
                                         process_group=dist.group.WORLD, feature_layers=layers)
     log.info("rank %d of %d loaded its shard; following rank 0", args.rank, args.world)
+    follow_graphs(model)  # rank 0's verify graphs: built, captured and replayed here in step
     model.follow()
     log.info("rank %d released by rank 0", args.rank)
     dist.destroy_process_group()
