@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ddtree.models.deepseek import StepOutput
+from ddtree.models.deepseek import StepOutput, unique_seq_ids
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +252,7 @@ class VerifyGraphs(BucketGraphs):
         Host tensors in (the trees as built); posterior [B, N+1] and features [B, N+1, F] are views
         of static device buffers, valid until the next call.
         """
+        seq_ids = unique_seq_ids(seq_ids)
         b, t = len(seq_ids), tokens.shape[1] + 1
         bucket = self.buckets.pick(b, t)
         cache = self.cache

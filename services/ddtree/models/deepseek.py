@@ -309,7 +309,7 @@ class TargetModel(nn.Module):
         generators[b] under sampling[b]; logits [B, N+1, V] if asked.
         """
         cache = self._need_cache()
-        seq_ids = _unique_ids(seq_ids)
+        seq_ids = unique_seq_ids(seq_ids)
         b = len(seq_ids)
         tokens = self._tree_inputs(b, root_tokens, tree_tokens, tree_depths, mask)
         sampling = list(sampling) if sampling is not None else [GREEDY] * b
@@ -366,7 +366,7 @@ class TargetModel(nn.Module):
         Returns the new committed lengths.
         """
         self._need_cache()
-        seq_ids = _unique_ids(seq_ids)
+        seq_ids = unique_seq_ids(seq_ids)
         keep = keep.to(self.device, torch.int64)
         if keep.dim() != 2 or keep.shape[0] != len(seq_ids):
             raise ValueError(f"keep must be [{len(seq_ids)}, K]; got {tuple(keep.shape)}")
@@ -470,7 +470,7 @@ class TargetModel(nn.Module):
         self._announce("stop", [])
 
 
-def _unique_ids(seq_ids: Sequence[int]) -> list[int]:
+def unique_seq_ids(seq_ids: Sequence[int]) -> list[int]:
     ids = [int(s) for s in seq_ids]
     if not ids or len(set(ids)) != len(ids):
         raise ValueError(f"seq_ids must be non-empty and distinct; got {ids}")
