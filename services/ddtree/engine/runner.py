@@ -1,7 +1,7 @@
 """CUDA-graph replay of the target's tree verify, one graph per (batch bucket, nodes bucket).
 
 Why: a verify of the bundled pair is ~500 small kernel launches; launched one by one from Python
-the host takes 10-20x the GPU's time (benchmarks/results/h200/step_graphs.txt). A replayed graph
+the host takes 7-20x the GPU's time (benchmarks/results/h200/step_graphs.txt). A replayed graph
 launches them all at once.
 
 How (the pattern of nano-vllm's and SGLang's decode graphs, for trees):
@@ -10,7 +10,8 @@ How (the pattern of nano-vllm's and SGLang's decode graphs, for trees):
 - Padding: the extra nodes of a real request and every node of an idle request see only
   themselves (mask), write their latents to the cache's scratch page (slots) and read a block
   table that names only pages they may read. Their outputs are dropped; real rows never see them,
-  so the real rows compute exactly what an unpadded verify computes.
+  so the real rows compute what an unpadded verify computes (bit for bit in float32; in bf16 up
+  to the rounding of GEMMs of other shapes: docs/step_graphs.md).
 - All per-step inputs (tokens, positions, cache slots, prefix lengths, block table, mask) are
   computed on the host from what the host already knows and packed into ONE pinned int64 buffer,
   copied to the device in one copy; each bucket's graph reads its views of the device buffer in
