@@ -95,3 +95,50 @@ def test_sigterm_stops_a_server_process_within_the_grace_period(subprocess_env, 
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_undecodable_requests_get_invalid_argument():
+    """Bytes that are not the method's message, or a string field that is not UTF-8, get
+    INVALID_ARGUMENT naming the method (grpcio alone answers INTERNAL "Exception deserializing
+    request!"), for unary, server-streaming and bidi methods; good requests still work."""
+    from ddtree.v1 import generation_pb2_grpc
+
+    calls = []
+
+    class Generation(generation_pb2_grpc.GenerationServicer):
+        def Generate(self, request, context):
+            calls.append(request)
+            yield from ()
+
+    def chat(requests, context):
+        for request in requests:
+            yield health_pb2.HealthCheckResponse(status=SERVING if request.service == "ok" else NOT_SERVING)
+
+    server = GrpcServer(ServerConfig(name="decode", port=0, grace_s=0.1))
+    server.add(generation_pb2_grpc.add_GenerationServicer_to_server, Generation(), "ddtree.v1.Generation")
+    server.add_generic(grpc.method_handlers_generic_handler("test.Chat", {"Chat": grpc.stream_stream_rpc_method_handler(
+        chat, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+        response_serializer=health_pb2.HealthCheckResponse.SerializeToString)}), "test.Chat")
+    port = server.start()
+    not_utf8 = b"\x0a\x02\xff\xfe"  # field 1 (a string in both messages), two bytes that are not UTF-8
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as ch:
+            check = ch.unary_unary("/grpc.health.v1.Health/Check")
+            generate = ch.unary_stream("/ddtree.v1.Generation/Generate")
+            bidi = ch.stream_stream("/test.Chat/Chat")
+            for name, call in (("Check", lambda b: check(b, timeout=5)),
+                               ("Generate", lambda b: list(generate(b, timeout=5))),
+                               ("Chat", lambda b: list(bidi(iter([health_pb2.HealthCheckRequest(service="ok")
+                                                                  .SerializeToString(), b]), timeout=5)))):
+                for bad in (b"\xff\xff\xff\xff", not_utf8):
+                    with pytest.raises(grpc.RpcError) as err:
+                        call(bad)
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, err.value.details())
+                    assert name in err.value.details() and "does not decode" in err.value.details()
+            assert not calls  # the servicer never saw them
+            server.set_serving(True)
+            assert _health(port) == SERVING
+            responses = list(bidi(iter([health_pb2.HealthCheckRequest(service="ok").SerializeToString()]), timeout=5))
+            assert len(responses) == 1
+    finally:
+        server.stop()

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ddtree.grpc_options import MAX_MESSAGE_BYTES, server_options
+from ddtree.request_decoding import DecodeErrorInterceptor
 from ddtree.telemetry import TracingServerInterceptor, shutdown_tracing
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class GrpcServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=config.name),
             options=server_options(config.max_message_bytes),
-            interceptors=[TracingServerInterceptor(tracer_provider)],
+            interceptors=[DecodeErrorInterceptor(), TracingServerInterceptor(tracer_provider)],
         )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
