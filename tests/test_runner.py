@@ -104,13 +104,13 @@ def test_padded_verify_equals_unpadded_over_changing_batches(checkpoint):
         assert eager.commit(seq_ids, keep) == padded.commit(seq_ids, keep)
         for b, s in enumerate(seq_ids):
             n = eager.cache.length(s)
-            ep, pp = eager.cache.pages_of(s), padded.cache.pages_of(s)
+            (_, ep), (_, pp) = eager.cache.lengths_and_pages([s]) + padded.cache.lengths_and_pages([s])
             assert ep == pp
             rows = lambda m, pages: m.cache.pages[:, pages].flatten(1, 2)[:, :n]  # noqa: E731
             torch.testing.assert_close(rows(padded, pp), rows(eager, ep), rtol=1e-5, atol=1e-5)
     assert runner.replays == 40 and runner.fallbacks == 0
     # pages no sequence holds were never written, except the scratch page
-    held = {p for s in live for p in padded.cache.pages_of(s)} | {padded.cache.scratch_page}
+    held = {p for _, pages in padded.cache.lengths_and_pages(list(live)) for p in pages} | {padded.cache.scratch_page}
     free = [p for p in range(padded.cache.pages.shape[1]) if p not in held]
     eager_free = eager.cache.pages[:, free]
     assert torch.equal(padded.cache.pages[:, free] == 0, eager_free == 0)

@@ -126,21 +126,16 @@ def test_replayed_verify_never_syncs():
 def test_moe_captures_and_replays_like_eager():
     """The routed experts on fixed-size buffers: capturable (no host sync), and a replay with new
     tokens written in place equals eager, with and without this rank's experts hit."""
-    from test_target_common import BASE
+    from test_target_common import random_moe
 
     from ddtree.models import TensorParallel
-    from ddtree.models.config import TargetConfig
-    from ddtree.models.layers import MoE, grouped_mm_available
+    from ddtree.models.layers import grouped_mm_available
 
     x = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16)
     if not grouped_mm_available(x):
         pytest.skip("torch._grouped_mm needs bf16 on sm90+")
-    cfg = TargetConfig.from_dict({**BASE, "model_type": "deepseek_v3", "hidden_size": 256, "n_routed_experts": 32,
-                                  "moe_intermediate_size": 128, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2})
-    moe = MoE(cfg, TensorParallel(rank=1, size=4, communicate=False), torch.bfloat16, "cuda")
+    moe = random_moe(TensorParallel(rank=1, size=4, communicate=False), "cuda")
     with torch.inference_mode():
-        for p in moe.parameters():
-            p.copy_(torch.randn_like(p) * 0.05)
         static = x.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

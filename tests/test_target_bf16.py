@@ -14,8 +14,7 @@ from test_target_common import CONFIGS, hf_logits, make_checkpoint
 from test_target_trees import random_trees
 
 from ddtree.models import TargetModel, TensorParallel
-from ddtree.models.config import TargetConfig
-from ddtree.models.layers import MoE, grouped_mm_available
+from ddtree.models.layers import grouped_mm_available
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -65,14 +64,10 @@ def test_grouped_expert_gemms_match_the_expert_loop():
     x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
     if not grouped_mm_available(x):
         pytest.skip("torch._grouped_mm needs bf16 on sm90+")
-    from test_target_common import BASE
+    from test_target_common import random_moe
 
-    cfg = TargetConfig.from_dict({**BASE, "model_type": "deepseek_v3", "hidden_size": 256, "n_routed_experts": 32,
-                                  "moe_intermediate_size": 128, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2})
-    moe = MoE(cfg, TensorParallel(rank=1, size=2, communicate=False), torch.bfloat16, "cuda")
+    moe = random_moe(TensorParallel(rank=1, size=2, communicate=False), "cuda")
     with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn_like(p) * 0.05)
         moe.grouped = False
         loop = moe(x).float()
         moe.grouped = True

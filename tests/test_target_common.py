@@ -114,3 +114,17 @@ def test_config_requires_a_config_json(tmp_path):
 def test_moe_layer_freq_follows_deepseek_rule():
     cfg = TargetConfig.from_dict({**BASE, "model_type": "deepseek_v3", "moe_layer_freq": 2, "num_hidden_layers": 6})
     assert [cfg.is_moe_layer(i) for i in range(6)] == [False, False, True, False, True, False]
+
+
+def random_moe(tp, device, dtype=torch.bfloat16):
+    """A small MoE block (32 experts, 4 per token, 4 groups of which 2 are kept) on one
+    tensor-parallel rank, with random weights: the grouped-GEMM tests' subject."""
+    from ddtree.models.layers import MoE
+
+    cfg = TargetConfig.from_dict({**BASE, "model_type": "deepseek_v3", "hidden_size": 256, "n_routed_experts": 32,
+                                  "moe_intermediate_size": 128, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2})
+    moe = MoE(cfg, tp, dtype, device)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn_like(p) * 0.05)
+    return moe

@@ -13,7 +13,6 @@ context cache -> RESOURCE_EXHAUSTED; the service keeps serving either way.
 from __future__ import annotations
 
 import functools
-
 import logging
 import threading
 import time

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.engine.runner import BucketGraphs, GraphBuckets
+from ddtree.engine.runner import BucketGraphs, GraphBuckets, default_batches
 
 
 def default_page_buckets(max_context: int, page_size: int) -> tuple[int, ...]:
@@ -36,8 +36,7 @@ GRAPH_MAX_CONTEXT = 8192  # contexts past this many tokens draft eagerly: a grap
 def draft_buckets(max_batch: int, max_context: int, page_size: int,
                   graph_max_context: int = GRAPH_MAX_CONTEXT) -> GraphBuckets:
     """The verify's batch buckets for `max_batch` x page widths up to min(max_context, graph_max_context)."""
-    batches = GraphBuckets.default(max_batch, 1).batches
-    return GraphBuckets(batches, default_page_buckets(min(max_context, graph_max_context), page_size))
+    return GraphBuckets(default_batches(max_batch), default_page_buckets(min(max_context, graph_max_context), page_size))
 
 
 class DraftGraphs(BucketGraphs):
@@ -62,21 +61,12 @@ class DraftGraphs(BucketGraphs):
             self._capture_all()
 
     # ---- layout: tokens [b, block], lengths [b], then per view: table [b, p], start [b] ------------
-    def _sizes(self, b: int, p: int) -> list[int]:
-        return [b * self.block, b] + [b * p, b] * len(self.keys)
-
-    def _size(self, b: int, p: int) -> int:
-        return sum(self._sizes(b, p))
+    def _shapes(self, b: int, p: int) -> list[tuple[int, ...]]:
+        return [(b, self.block), (b,)] + [(b, p), (b,)] * len(self.keys)
 
     def _views(self, buf, b: int, p: int):
-        shapes = [(b, self.block), (b,)] + [(b, p), (b,)] * len(self.keys)
-        out, start = [], 0
-        for n, shape in zip(self._sizes(b, p), shapes):
-            out.append(buf[start:start + n].reshape(shape))
-            start += n
-        tokens, lengths = out[0], out[1]
-        views = {key: (out[2 + 2 * i], out[3 + 2 * i]) for i, key in enumerate(self.keys)}
-        return tokens, lengths, views
+        tokens, lengths, *rest = self._split(buf, b, p)
+        return tokens, lengths, {key: (rest[2 * i], rest[2 * i + 1]) for i, key in enumerate(self.keys)}
 
     # ---- per step ----------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -29,6 +29,7 @@ logic); `mode="graph"` captures (CUDA only).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -40,6 +41,20 @@ from ddtree.models.deepseek import StepOutput, unique_seq_ids
 log = logging.getLogger(__name__)
 
 MODES = ("graph", "padded")
+
+
+def default_batches(max_running: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every 16 below max_running, and max_running itself."""
+    batches = {b for b in (1, 2, 4, 8) if b < max_running} | set(range(16, max_running, 16)) | {max_running}
+    return tuple(sorted(batches))
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """A comma list of bucket sizes (a flag) -> ascending distinct ints."""
+    try:
+        return tuple(sorted({int(v) for v in text.split(",")}))
+    except ValueError as exc:
+        raise ValueError(f"graph buckets must be comma-separated integers: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -59,20 +74,16 @@ class GraphBuckets:
         """Batches 1, 2, 4, 8, then every 16 up to max_running (and max_running itself); rows 1
         (ar), 2^k + 1 for every power-of-two budget up to max_budget (the budget policy's sizes),
         block_size (a chain) and max_budget + 1."""
-        batches = {b for b in (1, 2, 4, 8) if b < max_running} | set(range(16, max_running, 16)) | {max_running}
+        batches = default_batches(max_running)
         nodes = {1, max_budget + 1} | {(1 << k) + 1 for k in range(max_budget.bit_length()) if 1 << k <= max_budget}
         if block_size > 1:
             nodes.add(block_size)
-        return GraphBuckets(tuple(sorted(batches)), tuple(sorted(nodes)))
+        return GraphBuckets(batches, tuple(sorted(nodes)))
 
     @staticmethod
     def parse(batches: str, nodes: str) -> "GraphBuckets":
         """From comma lists (flags), e.g. '1,2,4,8,16' and '1,5,9,17'."""
-        try:
-            return GraphBuckets(tuple(sorted({int(v) for v in batches.split(",")})),
-                                tuple(sorted({int(v) for v in nodes.split(",")})))
-        except ValueError as exc:
-            raise ValueError(f"graph buckets must be comma-separated integers: {exc}") from None
+        return GraphBuckets(parse_sizes(batches), parse_sizes(nodes))
 
     def pick(self, batch: int, rows: int) -> tuple[int, int] | None:
         """The smallest bucket holding `batch` requests of `rows` rows, or None (eager)."""
@@ -136,11 +147,28 @@ def self_only_mask(b: int, t: int) -> np.ndarray:
 class BucketGraphs:
     """What the verify and draft runners share: the pinned host buffer and its device copy (each
     bucket's inputs packed from the start), one copy and one replay a step, and the capture of
-    every bucket, largest first, into one memory pool. Subclasses give `_size(b, x)` (int64 words
-    of a bucket's inputs), `_fill_idle(b, x)` (inputs of a batch of idle rows) and `_forward(b, x)`
-    (the captured work: reads the device buffer, writes the static outputs)."""
+    every bucket, largest first, into one memory pool. Subclasses give `_shapes(b, x)` (the
+    bucket's inputs, packed in that order), `_fill_idle(b, x)` (inputs of a batch of idle rows) and
+    `_forward(b, x)` (the captured work: reads the device buffer, writes the static outputs)."""
 
     what = "bucketed"
+
+    def _shapes(self, b: int, x: int) -> list[tuple[int, ...]]:
+        """The shapes of a bucket's inputs, in their order in the packed buffer."""
+        raise NotImplementedError
+
+    def _size(self, b: int, x: int) -> int:
+        """int64 words of a bucket's packed inputs."""
+        return sum(math.prod(shape) for shape in self._shapes(b, x))
+
+    def _split(self, buf, b: int, x: int) -> list:
+        """Views of buf (host numpy or device tensor), one per input, packed from its start."""
+        views, start = [], 0
+        for shape in self._shapes(b, x):
+            n = math.prod(shape)
+            views.append(buf[start:start + n].reshape(shape))
+            start += n
+        return views
 
     @staticmethod
     def _check_mode(mode: str, device: torch.device) -> None:
@@ -209,10 +237,9 @@ class VerifyGraphs(BucketGraphs):
         when it is announced, capture in step with rank 0 and replay rank 0's inputs."""
         self.model, self.buckets = model, buckets
         self._check_mode(mode, model.device)
-        model._need_cache()
+        cache = model._need_cache()
         # the followers build the same runner before anything is captured
         model.announce_extension(GRAPHS_INIT, [_encode_init(buckets, max_context, mode)])
-        cache = model._need_cache()
         self.cache, self.page_size = cache, cache.page_size
         self.scratch = cache.scratch_page
         self.width = -(-(max_context + max(buckets.nodes)) // self.page_size)  # block-table pages per request
@@ -228,21 +255,9 @@ class VerifyGraphs(BucketGraphs):
             self._capture_all()
 
     # ---- layout: one int64 buffer, each bucket's inputs packed from its start ---------------------
-    def _sizes(self, b: int, t: int) -> list[int]:
-        n = b * t
-        return [n, n, n, b, b * self.width, n * _words(t)]  # tokens positions slots prefix table mask
-
-    def _size(self, b: int, t: int) -> int:
-        return sum(self._sizes(b, t))
-
-    def _views(self, buf, b: int, t: int):
-        """(tokens, positions, slots [b, t], prefix [b], table [b, width], mask [b, t, words]) of buf."""
-        shapes = [(b, t), (b, t), (b, t), (b,), (b, self.width), (b, t, _words(t))]
-        views, start = [], 0
-        for n, shape in zip(self._sizes(b, t), shapes):
-            views.append(buf[start:start + n].reshape(shape))
-            start += n
-        return views
+    def _shapes(self, b: int, t: int) -> list[tuple[int, ...]]:
+        """tokens, positions, slots [b, t], prefix [b], block table [b, width], mask [b, t, words]."""
+        return [(b, t), (b, t), (b, t), (b,), (b, self.width), (b, t, _words(t))]
 
     # ---- per step ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -291,7 +306,7 @@ class VerifyGraphs(BucketGraphs):
         if (deps[real] < 1).any() or (deps[real] >= t).any():
             raise ValueError("tree_depths of real nodes must be in 1..N")
         self.cache.reserve(list(seq_ids), t)  # raises CacheFullError before anything is written
-        tok_v, pos_v, slot_v, prefix_v, table_v, mask_v = self._views(self.host_np, bb, tt)
+        tok_v, pos_v, slot_v, prefix_v, table_v, mask_v = self._split(self.host_np, bb, tt)
         ps, scratch = self.page_size, self.scratch
         lengths = np.zeros(bb, dtype=np.int64)
         table_v[:] = scratch
@@ -314,7 +329,7 @@ class VerifyGraphs(BucketGraphs):
         mask_v[:b, :t, :words.shape[2]] = words
 
     def _forward(self, b: int, t: int) -> None:
-        tokens, positions, slots, prefix, table, mask = self._views(self.dev, b, t)
+        tokens, positions, slots, prefix, table, mask = self._split(self.dev, b, t)
         x, feats = self.model.forward_tail(tokens, positions, slots, table, prefix, mask)
         n = b * t
         self.posterior[:n].copy_(self.model.argmax_head(x))

@@ -91,10 +91,6 @@ class LatentKVCache:
             if n:
                 q.pages.extend(self.allocator.allocate(n))
 
-    def pages_of(self, seq_id: int) -> list[int]:
-        """The sequence's page ids in order (its block-table row); do not modify."""
-        return self._seq(seq_id).pages
-
     def lengths_and_pages(self, seq_ids: list[int]) -> list[tuple[int, list[int]]]:
         """(committed length, page ids) per sequence; do not modify the lists."""
         return [(q.length, q.pages) for q in map(self._seq, seq_ids)]

@@ -119,11 +119,11 @@ def explicit_buckets(args, config):
     """GraphBuckets from --graph-batches / --graph-nodes (the other list defaulted), or None."""
     if args.graph_batches is None and args.graph_nodes is None:
         return None
-    from ddtree.engine.runner import GraphBuckets
+    from ddtree.engine.runner import GraphBuckets, parse_sizes
 
     default = GraphBuckets.default(config.scheduler.max_running, config.budget.max_budget)
-    return GraphBuckets.parse(args.graph_batches or ",".join(map(str, default.batches)),
-                              args.graph_nodes or ",".join(map(str, default.nodes)))
+    return GraphBuckets(parse_sizes(args.graph_batches) if args.graph_batches else default.batches,
+                        parse_sizes(args.graph_nodes) if args.graph_nodes else default.nodes)
 
 
 def run(args: argparse.Namespace) -> int:
