@@ -190,7 +190,7 @@ def part_kimi(lines: list[str], iters: int, bandwidth: float) -> float:
     el = lambda p: p.numel() * p.element_size()  # noqa: E731
     attn_bytes = sum(el(p) for p in model.layers[0].self_attn.parameters())
     shared_bytes = sum(el(p) for p in moes[0].shared.parameters()) + el(moes[0].gate)
-    expert_bytes = el(moes[0].w13[0]) + el(moes[0].w2[0])
+    expert_bytes = el(moes[0].w13.weight[0]) + el(moes[0].w2.weight[0])
     lines += ["", f"## Kimi-K2 TP8 rank, 4 MoE layers, bf16, prefix {prefix}: {moes[0].num_local} local experts of "
               f"{model.cfg.n_routed_experts}, {model.layers[0].self_attn.heads} heads; copy bandwidth "
               f"{bandwidth / 1e12:.2f} TB/s (read + write of a 1 GiB copy)",

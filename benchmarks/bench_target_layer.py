@@ -150,9 +150,9 @@ def main() -> None:
                     attn_ms = timer(lambda: mla_verify_attention(q_lat, q_rope, cache.layer(0), table, prefix_lens,
                                                                  mask, cfg.softmax_scale), args.iters, args.warmup)
                     moe_ms = timer(lambda: layer.mlp(x), args.iters, args.warmup)
-                    layer.mlp.grouped = False  # the Python loop over experts, for comparison
+                    chosen, layer.mlp.routed = layer.mlp.routed, layer.mlp.routed_loop  # the Python loop, for comparison
                     moe_loop_ms = timer(lambda: layer.mlp(x), args.iters, args.warmup)
-                    layer.mlp.grouped = None
+                    layer.mlp.routed = chosen
                     head_ms = timer(lambda: torch.nn.functional.linear(x, lm_head), args.iters, args.warmup)
                     step = 61 * layer_ms + head_ms
                     row = (f"{b:>5} {t:>4} {prefix:>6} {layer_ms:>9.3f} {attn_ms:>12.3f} {moe_ms:>8.3f} {moe_loop_ms:>11.3f} "

@@ -79,7 +79,7 @@ def test_quantized_checkpoint_logits_match_transformers(tmp_path, fmt, block, la
     original = make_checkpoint(tmp_path / "bf", **CONFIGS[VARIANT])
     qdir = tmp_path / fmt
     quantized = quant.quantize_checkpoint(tmp_path / "bf", qdir, fmt, fp8_block=block or quant.FP8_BLOCK)
-    assert quantized and all(n.endswith("_proj.weight") for n in quantized)
+    assert quantized and all(n.endswith(("_proj.weight", "_proj_with_mqa.weight")) for n in quantized)
     if fmt == "int4":
         assert all(".mlp.experts." in n for n in quantized)
     prefix = ""

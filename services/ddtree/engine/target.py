@@ -11,6 +11,7 @@ independent of how the path was chosen (drafts never see the noise). Hence:
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Sequence
 
@@ -19,6 +20,8 @@ import torch
 from ddtree.engine.backends import TreeBatch
 from ddtree.engine.runner import GraphBuckets, VerifyGraphs
 from ddtree.models.sampling import SamplingParams, target_probs
+
+log = logging.getLogger(__name__)
 
 _MIX = 0x9E3779B97F4A7C15
 
@@ -66,6 +69,9 @@ class LocalTarget:
 
         model = TargetModel.from_pretrained(path, dtype=dtype, device=device, process_group=process_group,
                                             feature_layers=feature_layers)
+        resident = sum(p.numel() * p.element_size() for p in model.parameters())
+        log.info("target weights: %s dense linears, %s routed experts; %.2f GiB on this rank",
+                 model.formats.dense, model.formats.experts, resident / 2**30)
         model.allocate_cache(num_pages, page_size)
         ctx = max_context or model.cfg.max_position_embeddings
         graphs = None

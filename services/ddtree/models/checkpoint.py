@@ -14,7 +14,7 @@ import json
 import os
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -371,11 +371,15 @@ class CheckpointIndex:
         dtype: torch.dtype,
         names: Iterable[str] | None = None,
         device: torch.device | str = "cpu",
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+        *,
+        keep_quantized: Container[str] = (),
+    ) -> Iterator[tuple[str, torch.Tensor | quant.QuantizedTensor]]:
         """Yield ``(name, tensor in dtype on device)`` shard by shard; one shard open at a time.
 
-        Dequantization runs on ``device`` (the raw parts are moved there first). A part stored in
-        another shard (rare) is read through a second, short-lived handle.
+        Dequantization runs on ``device`` (the raw parts are moved there first). Quantized
+        weights named in ``keep_quantized`` come as ``quant.QuantizedTensor`` (their parts copied
+        to ``device`` as stored) instead. A part stored in another shard (rare) is read through a
+        second, short-lived handle.
         """
         if names is None:
             wanted = list(self._entries.values())
@@ -388,14 +392,18 @@ class CheckpointIndex:
         by_file: dict[Path, list[_Entry]] = defaultdict(list)
         for entry in wanted:
             by_file[entry.file].append(entry)
-        return self._stream(by_file, dtype, torch.device(device))  # errors above raise now, not at next()
+        return self._stream(by_file, dtype, torch.device(device), keep_quantized)  # errors above raise now, not at next()
 
-    def _stream(self, by_file: dict[Path, list[_Entry]], dtype: torch.dtype, device: torch.device):
+    def _stream(self, by_file: dict[Path, list[_Entry]], dtype: torch.dtype, device: torch.device,
+                keep_quantized: Container[str]):
         for file in sorted(by_file):
             with _open(file) as f:
                 for entry in by_file[file]:
                     raw = {role: self._read(f, file, part) for role, part in entry.parts}
-                    tensor = self._materialize(entry, raw, dtype, device)
+                    if entry.kind != "plain" and entry.name in keep_quantized:
+                        tensor = self._quantized(entry, raw, device)
+                    else:
+                        tensor = self._materialize(entry, raw, dtype, device)
                     if entry.kind != "plain" and device.type == "cpu":
                         _release_freed_memory()  # the dequantization temporaries
                     yield entry.name, tensor
@@ -412,6 +420,14 @@ class CheckpointIndex:
             raise
         except Exception as e:
             raise CheckpointError(f"cannot read tensor {part.key} from {part.file}: {e}") from None
+
+    def _quantized(self, entry: _Entry, raw: dict[str, torch.Tensor], device: torch.device) -> quant.QuantizedTensor:
+        copy = lambda t: t.to(device=device, copy=True)  # noqa: E731  (own memory, not the map)
+        if entry.kind == "fp8":
+            return quant.QuantizedTensor("fp8", copy(raw["data"]), copy(raw["scale_inv"]).float(), entry.shape,
+                                         self.quant.fp8_block)
+        return quant.QuantizedTensor("int4", copy(raw["packed"]), copy(raw["scale"]), entry.shape,
+                                     (1, self.quant.int4_group_size))
 
     def _materialize(self, entry: _Entry, raw: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if entry.kind == "plain":

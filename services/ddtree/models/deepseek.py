@@ -23,6 +23,7 @@ from .kv_cache import LatentKVCache
 from .layers import MLA, MLP, DecoderLayer, MoE, RMSNorm, _weight
 from .mla_attention import causal_bitmask
 from .parallel import TensorParallel, broadcast_call, receive_call
+from .qlinear import BF16, WeightFormats
 from .rope import RotaryEmbedding
 from .sampling import GREEDY, SamplingParams, sample_tokens
 
@@ -55,9 +56,10 @@ class TargetModel(nn.Module):
     leaves weights uninitialized); `allocate_cache` before prefill/verify/commit."""
 
     def __init__(self, cfg: TargetConfig, *, dtype: torch.dtype = torch.bfloat16, device="cpu",
-                 tp: TensorParallel | None = None, feature_layers: Sequence[int] = ()):
+                 tp: TensorParallel | None = None, feature_layers: Sequence[int] = (),
+                 formats: WeightFormats = BF16):
         super().__init__()
-        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.cfg, self.dtype, self.device, self.formats = cfg, dtype, torch.device(device), formats
         self.tp = tp or TensorParallel()
         bad = [i for i in feature_layers if not 0 <= i < cfg.num_hidden_layers]
         if bad:
@@ -66,7 +68,8 @@ class TargetModel(nn.Module):
         vocab = self.tp.shard(cfg.vocab_size, "vocab_size")
         self.vocab_start, self.vocab_local = vocab.start, vocab.stop - vocab.start
         self.embed_tokens = _weight(self.vocab_local, cfg.hidden_size, dtype=dtype, device=self.device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.tp, dtype, self.device) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.tp, dtype, self.device, formats)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, self.device)
         self.lm_head = (
             self.embed_tokens if cfg.tie_word_embeddings
@@ -84,32 +87,36 @@ class TargetModel(nn.Module):
                         feature_layers: Sequence[int] = ()) -> "TargetModel":
         """Builds the model and streams the checkpoint into it tensor by tensor, each rank keeping its shard.
 
-        Tensor parallel: pass `tp`, or `process_group` (an initialized torch.distributed group).
-        Raises CheckpointError naming missing/unexpected/mis-shaped tensors.
+        FP8 and INT4 weights stay in their format (see `weight_formats`); plain ones are cast to
+        `dtype`. Tensor parallel: pass `tp`, or `process_group` (an initialized torch.distributed
+        group). Raises CheckpointError naming missing/unexpected/mis-shaped tensors, formats the
+        model cannot keep, and shards that would split a quantization block.
         """
-        from .checkpoint import CheckpointIndex, check_names
+        from .checkpoint import CheckpointError, CheckpointIndex, check_names
 
         if tp is None and process_group is not None:
             tp = TensorParallel.from_process_group(process_group)
         cfg = TargetConfig.from_pretrained(path)
-        with torch.device("meta"):
-            shell = cls(cfg, dtype=dtype, device="meta", tp=tp, feature_layers=feature_layers)
-        model = shell.to_empty(device=device)
-        model.device = torch.device(device)
-        model.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, cfg.rope_interleave).to(device)
-        if cfg.tie_word_embeddings:
-            model.lm_head = model.embed_tokens
         mtp = tuple(f"model.layers.{cfg.num_hidden_layers + i}." for i in range(cfg.num_nextn_predict_layers))
         index = CheckpointIndex(path, cfg.weight_prefix, cfg.ignored_prefixes + mtp)
+        formats = weight_formats(index)
+        try:
+            model = cls(cfg, dtype=dtype, device=device, tp=tp, feature_layers=feature_layers, formats=formats)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {index.root}: {e}") from None
         specs = model.weight_specs()
         check_names({name: spec[0] for name, spec in specs.items() if spec[0] is not None}, index)
         wanted = [name for name, spec in specs.items() if spec[1] is not None]
         router = [n for n in wanted if n.endswith((".mlp.gate.weight", ".e_score_correction_bias"))]
         other = [n for n in wanted if n not in set(router)]
+        keep = {n for n in other if index.format(n) != "plain" and _quantized_role(n) is not None}
         with torch.no_grad():
             for names, load_dtype in ((router, torch.float32), (other, dtype)):
-                for name, tensor in index.iter_tensors(load_dtype, names, device):
-                    specs[name][1](tensor)
+                for name, tensor in index.iter_tensors(load_dtype, names, device, keep_quantized=keep):
+                    try:
+                        specs[name][1](tensor)
+                    except ValueError as e:
+                        raise CheckpointError(f"{name}: {e}") from None
         return model.eval()
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], Callable[[torch.Tensor], None] | None]]:
@@ -120,12 +127,11 @@ class TargetModel(nn.Module):
         def whole(dst):
             return lambda t: dst.copy_(t)
 
-        def rows(dst, sl, offset=0):
-            n = sl.stop - sl.start
-            return lambda t: dst[offset : offset + n].copy_(t[sl])
+        def rows(dst, sl):
+            return lambda t: dst.copy_(t[sl])
 
-        def cols(dst, sl):
-            return lambda t: dst.copy_(t[:, sl])
+        def linear(dst, **where):  # a Linear / QuantWeight: copies (or keeps quantized) its shard
+            return lambda t: dst.load(t, **where)
 
         def heads(per_head: int) -> slice:
             sl = tp.shard(cfg.num_attention_heads, "num_attention_heads")
@@ -144,17 +150,17 @@ class TargetModel(nn.Module):
             a: MLA = layer.self_attn
             n_heads, qk = cfg.num_attention_heads, cfg.qk_head_dim
             if cfg.q_lora_rank is None:
-                specs[p + "self_attn.q_proj.weight"] = ((n_heads * qk, h), rows(a.q_proj, heads(qk)))
+                specs[p + "self_attn.q_proj.weight"] = ((n_heads * qk, h), linear(a.q_proj, rows=heads(qk)))
             else:
                 r = cfg.q_lora_rank
-                specs[p + "self_attn.q_a_proj.weight"] = ((r, h), whole(a.q_a_proj))
+                specs[p + "self_attn.q_a_proj.weight"] = ((r, h), linear(a.q_a_proj))
                 specs[p + "self_attn.q_a_layernorm.weight"] = ((r,), whole(a.q_a_layernorm.weight))
-                specs[p + "self_attn.q_b_proj.weight"] = ((n_heads * qk, r), rows(a.q_b_proj, heads(qk)))
-            specs[p + "self_attn.kv_a_proj_with_mqa.weight"] = ((cfg.latent_dim, h), whole(a.kv_a_proj_with_mqa))
+                specs[p + "self_attn.q_b_proj.weight"] = ((n_heads * qk, r), linear(a.q_b_proj, rows=heads(qk)))
+            specs[p + "self_attn.kv_a_proj_with_mqa.weight"] = ((cfg.latent_dim, h), linear(a.kv_a_proj_with_mqa))
             specs[p + "self_attn.kv_a_layernorm.weight"] = ((cfg.kv_lora_rank,), whole(a.kv_a_layernorm.weight))
             kvb = cfg.qk_nope_head_dim + cfg.v_head_dim
             specs[p + "self_attn.kv_b_proj.weight"] = ((n_heads * kvb, cfg.kv_lora_rank), rows(a.kv_b_proj, heads(kvb)))
-            specs[p + "self_attn.o_proj.weight"] = ((h, n_heads * cfg.v_head_dim), cols(a.o_proj, heads(cfg.v_head_dim)))
+            specs[p + "self_attn.o_proj.weight"] = ((h, n_heads * cfg.v_head_dim), linear(a.o_proj, cols=heads(cfg.v_head_dim)))
             mlp = layer.mlp
             if isinstance(mlp, MoE):
                 e, i_moe = cfg.n_routed_experts, cfg.moe_intermediate_size
@@ -164,10 +170,9 @@ class TargetModel(nn.Module):
                     local = x - mlp.first_expert
                     mine = 0 <= local < mlp.num_local
                     ep = f"{p}mlp.experts.{x}."
-                    everything = slice(0, i_moe)
-                    specs[ep + "gate_proj.weight"] = ((i_moe, h), rows(mlp.w13[local], everything) if mine else None)
-                    specs[ep + "up_proj.weight"] = ((i_moe, h), rows(mlp.w13[local], everything, i_moe) if mine else None)
-                    specs[ep + "down_proj.weight"] = ((h, i_moe), whole(mlp.w2[local]) if mine else None)
+                    specs[ep + "gate_proj.weight"] = ((i_moe, h), linear(mlp.w13, expert=local, part=0) if mine else None)
+                    specs[ep + "up_proj.weight"] = ((i_moe, h), linear(mlp.w13, expert=local, part=1) if mine else None)
+                    specs[ep + "down_proj.weight"] = ((h, i_moe), linear(mlp.w2, expert=local) if mine else None)
                 if mlp.shared is not None:
                     self._mlp_specs(specs, p + "mlp.shared_experts.", mlp.shared, i_moe * cfg.n_shared_experts)
             else:
@@ -176,9 +181,9 @@ class TargetModel(nn.Module):
 
     def _mlp_specs(self, specs: dict, p: str, mlp: MLP, intermediate: int) -> None:
         sl, h = self.tp.shard(intermediate, "intermediate size"), self.cfg.hidden_size
-        specs[p + "gate_proj.weight"] = ((intermediate, h), lambda t: mlp.gate_up[: mlp.local].copy_(t[sl]))
-        specs[p + "up_proj.weight"] = ((intermediate, h), lambda t: mlp.gate_up[mlp.local :].copy_(t[sl]))
-        specs[p + "down_proj.weight"] = ((h, intermediate), lambda t: mlp.down.copy_(t[:, sl]))
+        specs[p + "gate_proj.weight"] = ((intermediate, h), lambda t: mlp.gate_up.load(t, part=0, rows=sl))
+        specs[p + "up_proj.weight"] = ((intermediate, h), lambda t: mlp.gate_up.load(t, part=1, rows=sl))
+        specs[p + "down_proj.weight"] = ((h, intermediate), lambda t: mlp.down.load(t, cols=sl))
 
     # ---- shared pieces ------------------------------------------------------------------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -468,6 +473,37 @@ class TargetModel(nn.Module):
     def stop_followers(self) -> None:
         """Rank 0: releases the ranks blocked in follow()."""
         self._announce("stop", [])
+
+
+def _quantized_role(name: str) -> str | None:
+    """Which WeightFormats role keeps a checkpoint weight quantized: "experts" for the routed
+    experts, "dense" for the other projections; None for the rest (kv_b_proj, embeddings, the
+    vocab head and router, dequantized if a checkpoint quantizes them)."""
+    if not name.endswith(("_proj.weight", "_proj_with_mqa.weight")) or name.endswith("kv_b_proj.weight"):
+        return None
+    return "experts" if ".mlp.experts." in name else "dense"
+
+
+def weight_formats(index) -> WeightFormats:
+    """The storage a checkpoint's weights keep (`CheckpointIndex`): one format per role, or
+    CheckpointError naming the weights that differ from the rest of their role."""
+    from .checkpoint import CheckpointError
+
+    by_role: dict[str, dict[str, list[str]]] = {"dense": {}, "experts": {}}
+    for name in index.names():
+        role = _quantized_role(name)
+        if role is not None:
+            fmt = {"plain": "bf16"}.get(index.format(name), index.format(name))
+            by_role[role].setdefault(fmt, []).append(name)
+    chosen = {}
+    for role, groups in by_role.items():
+        if len(groups) > 1:
+            listing = "; ".join(f"{fmt}: {len(n)} ({', '.join(n[:3])}{', ...' if len(n) > 3 else ''})"
+                                for fmt, n in sorted(groups.items()))
+            raise CheckpointError(f"checkpoint {index.root}: the {role} weights must share one format, found {listing}")
+        chosen[role] = next(iter(groups), "bf16")
+    return WeightFormats(chosen["dense"], chosen["experts"], fp8_block=index.quant.fp8_block,
+                         int4_group=index.quant.int4_group_size or WeightFormats.int4_group)
 
 
 def unique_seq_ids(seq_ids: Sequence[int]) -> list[int]:

@@ -13,6 +13,7 @@ from .config import TargetConfig
 from .kv_cache import LatentKVCache
 from .mla_attention import mla_verify_attention
 from .parallel import TensorParallel
+from .qlinear import BF16, Linear, QuantWeight, WeightFormats
 from .rope import RotaryEmbedding
 
 
@@ -33,35 +34,42 @@ class RMSNorm(nn.Module):
 
 
 class MLA(nn.Module):
-    """Multi-head latent attention; this rank owns heads [tp.shard(num_attention_heads)]."""
+    """Multi-head latent attention; this rank owns heads [tp.shard(num_attention_heads)].
 
-    def __init__(self, cfg: TargetConfig, tp: TensorParallel, dtype, device):
+    The projections are stored in `formats.dense`, except kv_b_proj: the absorbed form slices it
+    per head into W_UK / W_UV, so it stays in the model dtype (1/64 of a Kimi-K2 layer's weights).
+    """
+
+    def __init__(self, cfg: TargetConfig, tp: TensorParallel, dtype, device, formats: WeightFormats = BF16):
         super().__init__()
         self.cfg = cfg
         sl = tp.shard(cfg.num_attention_heads, "num_attention_heads")
         self.heads = sl.stop - sl.start
-        w = lambda *s: _weight(*s, dtype=dtype, device=device)  # noqa: E731
+        fmt = formats.dense
+        lin = lambda o, i: Linear(o, i, fmt=fmt, dtype=dtype, device=device, block=formats.block(fmt),  # noqa: E731
+                                  group=formats.int4_group)
         if cfg.q_lora_rank is None:
-            self.q_proj = w(self.heads * cfg.qk_head_dim, cfg.hidden_size)
+            self.q_proj = lin(self.heads * cfg.qk_head_dim, cfg.hidden_size)
         else:
-            self.q_a_proj = w(cfg.q_lora_rank, cfg.hidden_size)
+            self.q_a_proj = lin(cfg.q_lora_rank, cfg.hidden_size)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dtype, device)
-            self.q_b_proj = w(self.heads * cfg.qk_head_dim, cfg.q_lora_rank)
-        self.kv_a_proj_with_mqa = w(cfg.latent_dim, cfg.hidden_size)
+            self.q_b_proj = lin(self.heads * cfg.qk_head_dim, cfg.q_lora_rank)
+        self.kv_a_proj_with_mqa = lin(cfg.latent_dim, cfg.hidden_size)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, dtype, device)
-        self.kv_b_proj = w(self.heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-        self.o_proj = w(cfg.hidden_size, self.heads * cfg.v_head_dim)
+        self.kv_b_proj = _weight(self.heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank,
+                                 dtype=dtype, device=device)
+        self.o_proj = lin(cfg.hidden_size, self.heads * cfg.v_head_dim)
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: RotaryEmbedding):
         """x [S, H] -> q_nope [S, h, nope], q_rope [S, h, R] (roped), latent [S, C + R] (normed, roped)."""
         cfg = self.cfg
         if cfg.q_lora_rank is None:
-            q = F.linear(x, self.q_proj)
+            q = self.q_proj(x)
         else:
-            q = F.linear(self.q_a_layernorm(F.linear(x, self.q_a_proj)), self.q_b_proj)
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(x.shape[0], self.heads, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        kv = F.linear(x, self.kv_a_proj_with_mqa)
+        kv = self.kv_a_proj_with_mqa(x)
         c_kv, k_rope = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         q_rope = rotary.apply(q_rope, cos, sin)
         k_rope = rotary.apply(k_rope.unsqueeze(-2), cos, sin).squeeze(-2)
@@ -87,7 +95,7 @@ class MLA(nn.Module):
         causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
         probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1).to(x.dtype)
         out = torch.matmul(probs, v.transpose(0, 1)).transpose(0, 1).reshape(s, -1)
-        return F.linear(out, self.o_proj)
+        return self.o_proj(out)
 
     def forward_paged(self, x, cos, sin, rotary, cache: LatentKVCache, layer: int, slots, block_table,
                       prefix_lens, mask) -> torch.Tensor:
@@ -103,45 +111,59 @@ class MLA(nn.Module):
             q_latent, q_rope, cache.layer(layer), block_table, prefix_lens, mask, self.cfg.softmax_scale
         )
         out = torch.einsum("shc,hvc->shv", out_latent, w_uv).reshape(x.shape[0], -1)
-        return F.linear(out, self.o_proj)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
     """SwiGLU; this rank owns intermediate columns [tp.shard(intermediate)] (gate|up fused)."""
 
-    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel, dtype, device):
+    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel, dtype, device, formats: WeightFormats = BF16):
         super().__init__()
         sl = tp.shard(intermediate, "intermediate size")
         self.local = sl.stop - sl.start
-        self.gate_up = _weight(2 * self.local, hidden, dtype=dtype, device=device)
-        self.down = _weight(hidden, self.local, dtype=dtype, device=device)
+        fmt = formats.dense
+        kw = dict(fmt=fmt, dtype=dtype, device=device, block=formats.block(fmt), group=formats.int4_group)
+        self.gate_up = Linear(2 * self.local, hidden, gate_up=True, **kw)
+        self.down = Linear(hidden, self.local, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        return self.down(self.gate_up.silu_mul(x))
 
 
 class MoE(nn.Module):
     """Sigmoid-scored, group-limited top-k routing (noaux_tc) over routed experts, plus shared experts.
 
     The router is replicated (float32, as transformers keeps it); this rank computes only its
-    experts [tp.shard(n_routed_experts)] and a shard of the shared experts.
+    experts [tp.shard(n_routed_experts)] (stored in `formats.experts`: w13 = [gate; up] [E, 2I, H],
+    w2 [E, H, I]) and a shard of the shared experts. How the routed experts run is chosen once,
+    here: `routed_fused` (FP8/INT4 on CUDA), `routed_grouped` (bf16 on sm90+), else `routed_loop`.
     """
 
-    def __init__(self, cfg: TargetConfig, tp: TensorParallel, dtype, device):
+    def __init__(self, cfg: TargetConfig, tp: TensorParallel, dtype, device, formats: WeightFormats = BF16):
         super().__init__()
         self.cfg = cfg
         e = tp.shard(cfg.n_routed_experts, "n_routed_experts")
         self.first_expert, self.num_local = e.start, e.stop - e.start
         self.gate = _weight(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32, device=device)
         self.e_score_correction_bias = _weight(cfg.n_routed_experts, dtype=torch.float32, device=device)
-        i = cfg.moe_intermediate_size
-        self.w13 = _weight(self.num_local, 2 * i, cfg.hidden_size, dtype=dtype, device=device)
-        self.w2 = _weight(self.num_local, cfg.hidden_size, i, dtype=dtype, device=device)
+        i, h, fmt = cfg.moe_intermediate_size, cfg.hidden_size, formats.experts
+        kw = dict(fmt=fmt, dtype=dtype, device=device, stack=self.num_local, block=formats.block(fmt),
+                  group=formats.int4_group)
+        self.w13 = QuantWeight((i, i), h, **kw)
+        self.w2 = QuantWeight((h,), i, **kw)
         self.shared = (
-            MLP(cfg.hidden_size, i * cfg.n_shared_experts, tp, dtype, device) if cfg.n_shared_experts else None
+            MLP(h, i * cfg.n_shared_experts, tp, dtype, device, formats) if cfg.n_shared_experts else None
         )
-        self.grouped: bool | None = None  # expert GEMMs: None = grouped when available, else a loop
+        self._fused_moe = None
+        if fmt != "bf16" and torch.device(device).type == "cuda":
+            from ddtree.kernels.quant_gemm import fused_moe  # Triton: only where a GPU runs it
+
+            self._fused_moe = fused_moe
+            self.routed = self.routed_fused
+        elif fmt == "bf16" and grouped_mm_available(torch.empty(0, dtype=dtype, device=device)):
+            self.routed = self.routed_grouped
+        else:
+            self.routed = self.routed_loop
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [S, H] -> (weights [S, k] float32, expert ids [S, k])."""
@@ -161,14 +183,14 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        grouped = self.grouped if self.grouped is not None else grouped_mm_available(x)
-        out = (self._routed_grouped if grouped else self._routed_loop)(x, weights, ids)
+        out = self.routed(x, weights, ids)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
 
-    def _routed_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's routed experts, one GEMM pair per expert hit (reads the counts on the host)."""
+    def routed_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's routed experts, one GEMM pair per expert hit (reads the counts on the host;
+        quantized experts are dequantized a tile at a time: the CPU reference)."""
         k = ids.shape[1]
         flat = ids.reshape(-1) - self.first_expert
         mine = ((flat >= 0) & (flat < self.num_local)).nonzero().squeeze(-1)
@@ -177,12 +199,12 @@ class MoE(nn.Module):
         xs, out, start = x[tokens], torch.empty(mine.shape[0], x.shape[1], dtype=x.dtype, device=x.device), 0
         for expert, n in enumerate(torch.bincount(flat[mine], minlength=self.num_local).tolist()):
             if n:
-                gate, up = F.linear(xs[start : start + n], self.w13[expert]).chunk(2, dim=-1)
-                out[start : start + n] = F.linear(F.silu(gate) * up, self.w2[expert])
+                gate, up = self.w13.reference_linear(xs[start : start + n], expert).chunk(2, dim=-1)
+                out[start : start + n] = self.w2.reference_linear(F.silu(gate) * up, expert)
                 start += n
         return torch.zeros_like(x).index_add_(0, tokens, (out * token_weights[:, None]).to(x.dtype))
 
-    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The same as two grouped GEMMs (CUDA bf16, sm90+) on fixed-size buffers: all S*k
         (token, expert) pairs sorted by local expert, pairs of other ranks' experts in a last
         group the GEMMs skip; counts and offsets stay on the device (no host sync: capturable)."""
@@ -195,8 +217,8 @@ class MoE(nn.Module):
             0, key, torch.ones_like(key, dtype=torch.int32))
         offs = counts[:-1].cumsum(0).to(torch.int32)
         tokens, mine = order // k, local[order]  # pair i belongs to token i // k
-        gate, up = torch._grouped_mm(x[tokens], self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+        gate, up = torch._grouped_mm(x[tokens], self.w13.weight.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.w2.weight.transpose(1, 2), offs=offs)
         # rows past offs[-1] (other ranks' experts) are never written by the GEMMs: select, not multiply
         y = torch.where(mine[:, None], y * weights.reshape(-1)[order][:, None], 0.0)
         # back to (token, choice) order and summed over the k choices in float32: deterministic (an
@@ -204,6 +226,13 @@ class MoE(nn.Module):
         pairs = torch.empty_like(y)
         pairs[order] = y
         return pairs.view(x.shape[0], k, -1).sum(1).to(x.dtype)
+
+    def routed_fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """FP8 / INT4 experts through the fused-MoE Triton kernels (sync-free, capturable)."""
+        w13, w2 = self.w13, self.w2
+        return self._fused_moe(x, weights, ids, w13.fmt, w13.data(), w13.scale(), w2.data(), w2.scale(),
+                               first_expert=self.first_expert, num_local=self.num_local,
+                               intermediate=w13.parts[0], group_size=w13.block[1])
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -213,15 +242,16 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TargetConfig, layer: int, tp: TensorParallel, dtype, device):
+    def __init__(self, cfg: TargetConfig, layer: int, tp: TensorParallel, dtype, device,
+                 formats: WeightFormats = BF16):
         super().__init__()
         self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = MLA(cfg, tp, dtype, device)
+        self.self_attn = MLA(cfg, tp, dtype, device, formats)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = (
-            MoE(cfg, tp, dtype, device) if cfg.is_moe_layer(layer)
-            else MLP(cfg.hidden_size, cfg.intermediate_size, tp, dtype, device)
+            MoE(cfg, tp, dtype, device, formats) if cfg.is_moe_layer(layer)
+            else MLP(cfg.hidden_size, cfg.intermediate_size, tp, dtype, device, formats)
         )
 
     def forward(self, x: torch.Tensor, attend) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -194,6 +195,54 @@ def dequantize_int4_group(
     return out
 
 
+# -- a quantized weight as it is kept in memory ---------------------------------------------------
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """The parts of one quantized ``[out, in]`` weight, in its on-disk layout (module doc).
+
+    ``fmt`` "fp8": ``data`` float8_e4m3fn ``[out, in]``, ``scale`` float32 block scales, ``block``
+    (rows, cols). ``fmt`` "int4": ``data`` int32 ``[out, ceil(in/8)]``, ``scale`` ``[out,
+    ceil(in/group)]``, ``block`` (1, group). ``rows`` / ``cols`` cut a tensor-parallel shard and
+    refuse cuts that would split a block or a group (the scales could not follow).
+    """
+
+    fmt: str
+    data: torch.Tensor
+    scale: torch.Tensor
+    shape: tuple[int, int]
+    block: tuple[int, int]
+
+    def rows(self, sl: slice) -> "QuantizedTensor":
+        start, stop = _cut(sl, self.shape[0], self.block[0], "rows")
+        b = self.block[0]
+        scale = self.scale[start // b : -(-stop // b)]
+        return QuantizedTensor(self.fmt, self.data[start:stop], scale, (stop - start, self.shape[1]), self.block)
+
+    def cols(self, sl: slice) -> "QuantizedTensor":
+        start, stop = _cut(sl, self.shape[1], self.block[1], "columns")
+        b = self.block[1]
+        if self.fmt == "int4":  # words of 8 columns; a group is a whole number of words
+            if start % INT4_PACK or (stop % INT4_PACK and stop != self.shape[1]):
+                raise ValueError(f"columns {start}..{stop} split a packed int32 word of {INT4_PACK} columns")
+            data = self.data[:, start // INT4_PACK : -(-stop // INT4_PACK)]
+        else:
+            data = self.data[:, start:stop]
+        return QuantizedTensor(self.fmt, data, self.scale[:, start // b : -(-stop // b)], (self.shape[0], stop - start), self.block)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.fmt == "fp8":
+            return dequantize_fp8_block(self.data, self.scale, dtype, self.block)
+        return dequantize_int4_group(self.data, self.scale, self.shape, dtype, self.block[1])
+
+
+def _cut(sl: slice, size: int, block: int, what: str) -> tuple[int, int]:
+    start, stop, _ = sl.indices(size)
+    if start % block or (stop % block and stop != size):
+        raise ValueError(f"{what} {start}..{stop} of {size} do not align to the quantization blocks of {block} {what}")
+    return start, stop
+
+
 # -- writing quantized copies of a checkpoint (tests, benchmarks) ---------------------------------
 
 FP8_QUANTIZATION_CONFIG = {
@@ -221,8 +270,9 @@ def is_routed_expert(name: str) -> bool:
 
 
 def is_fp8_linear(name: str) -> bool:
-    """FP8 in DeepSeek-V3: the ``*_proj`` linears (not embeddings, lm_head, router gate, MTP eh_proj)."""
-    return name.endswith("_proj.weight") and not name.endswith("eh_proj.weight")
+    """FP8 in DeepSeek-V3: the ``*_proj`` linears and ``kv_a_proj_with_mqa`` (not embeddings,
+    lm_head, router gate, MTP eh_proj)."""
+    return name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and not name.endswith("eh_proj.weight")
 
 
 def quantize_checkpoint(
