@@ -6,6 +6,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from ddtree.engine.budget import BudgetPolicy
 from ddtree.engine.request import (FinishReason, InvalidRequest, Limits, Mode, Overloaded, SamplingOptions,
@@ -112,11 +113,47 @@ LIMITS = Limits(vocab_size=100, max_context=64, max_tokens_limit=32, max_budget=
     (dict(mode=Mode.DDTREE, available_modes=(Mode.AR,)), "mode 'ddtree' is not available"),
     (dict(stop_token_ids=[1000]), "stop token id 1000"),
     (dict(stop_strings=[""]), "stop strings must not be empty"),
+    (dict(stop_strings=["x"] * 65), "at most 64 stop strings, got 65"),
+    (dict(stop_strings=["x" * 513]), "stop strings must be at most 512 characters, got one of 513"),
+    (dict(stop_token_ids=[1] * 1025), "at most 1024 stop token ids, got 1025"),
 ])
 def test_bad_requests_are_refused_with_a_clear_message(kwargs, message):
     kwargs = {"prompt_ids": [1, 2, 3], "limits": LIMITS, **kwargs}
     with pytest.raises(InvalidRequest, match=message):
         validate_request(**kwargs)
+
+
+def test_prompt_text_too_long_to_fit_is_refused_before_tokenizing():
+    from ddtree.engine.request import check_prompt_text
+
+    check_prompt_text("x" * 64 * 32, LIMITS)
+    with pytest.raises(InvalidRequest, match="prompt text has 2049 characters; a context of 64 tokens is refused above 2048"):
+        check_prompt_text("x" * (64 * 32 + 1), LIMITS)
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 5e-324, 1e-8])
+def test_a_tiny_temperature_samples_like_greedy(temperature):
+    from ddtree.models.sampling import SamplingParams, sample_tokens, target_probs
+
+    logits = torch.tensor([[0.0, 3.0, -1.0, 2.999], [5.0, 5.0, 1.0, -20.0]])
+    probs = target_probs(logits, SamplingParams(temperature=temperature))
+    assert not probs.isnan().any()
+    assert torch.equal(probs[0], torch.tensor([0.0, 1.0, 0.0, 0.0])) or temperature == 1e-8
+    assert torch.equal(probs[1], torch.tensor([0.5, 0.5, 0.0, 0.0]))  # a tie splits the mass
+    draws = sample_tokens(logits.expand(64, 2, 4)[:, 0], SamplingParams(temperature=temperature), torch.Generator().manual_seed(0))
+    assert (draws == 1).all()
+
+
+def test_a_huge_temperature_samples_uniformly_and_bad_logits_raise():
+    from ddtree.models.sampling import SamplingParams, target_probs
+
+    probs = target_probs(torch.tensor([[0.0, 300.0, -1e30]]), SamplingParams(temperature=1e300))
+    torch.testing.assert_close(probs, torch.full((1, 3), 1 / 3))
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="NaN or \\+inf logits"):
+            target_probs(torch.tensor([[0.0, bad]]), SamplingParams(temperature=1.0))
+    with pytest.raises(ValueError, match="without any finite logit"):
+        target_probs(torch.tensor([[float("-inf")] * 3]), SamplingParams(temperature=1.0))
 
 
 def test_defaults_are_filled_in():

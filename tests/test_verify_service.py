@@ -180,6 +180,13 @@ def test_stream_speculation_equals_ar(verify):
             assert [c.accepted_length for c in chunks[:-1]][0] == 1  # the prefill's token
 
 
+def test_a_tiny_temperature_samples_like_greedy(verify):
+    greedy, _ = generate(verify.port, [1, 2, 3], pb.MODE_AR, max_tokens=12, ignore_eos=True)
+    for mode in (pb.MODE_AR, pb.MODE_DDTREE):
+        tokens, _ = generate(verify.port, [1, 2, 3], mode, max_tokens=12, ignore_eos=True, temperature=1e-30, seed=5)
+        assert tokens == greedy
+
+
 def test_text_prompt_uses_the_byte_tokenizer(verify):
     with channel(verify.port) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
@@ -206,6 +213,10 @@ BAD = [
     (dict(token_ids=OK, speculation=pb.SpeculationParams(budget=33)), "budget must be in 0..32"),
     (dict(token_ids=OK, speculation=pb.SpeculationParams(budget=-1)), "budget must be in 0..32"),
     (dict(token_ids=OK, speculation=pb.SpeculationParams(mode=9)), "unknown mode"),
+    (dict(token_ids=pb.TokenIds(ids=[1] * 200_000)), "prompt has 200000 tokens; the context holds 4096"),
+    (dict(text="x" * 200_000), "prompt text has 200000 characters"),
+    (dict(token_ids=OK, sampling=pb.SamplingParams(stop_strings=["a"] * 200_000)), "at most 64 stop strings"),
+    (dict(token_ids=OK, sampling=pb.SamplingParams(stop_token_ids=[1] * 5000)), "at most 1024 stop token ids"),
 ]
 
 

@@ -74,6 +74,12 @@ class RequestSpec:
 
 MODE_NAMES = {m.value: m for m in Mode}
 
+# Per-request caps on what grows the engine's per-step work or memory with one request.
+MAX_STOP_STRINGS = 64          # each token is matched against every stop string
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+MAX_PROMPT_CHARS_PER_TOKEN = 32  # text longer than this x max_context is refused before tokenizing
+
 
 def parse_mode(name: str | None) -> Mode | None:
     if name in (None, "", "unspecified"):
@@ -84,18 +90,30 @@ def parse_mode(name: str | None) -> Mode | None:
         raise InvalidRequest(f"unknown mode {name!r} (expected one of {sorted(MODE_NAMES)})") from None
 
 
+def check_prompt_length(tokens: int, limits: Limits) -> None:
+    if tokens == 0:
+        raise InvalidRequest("prompt is empty")
+    if tokens >= limits.max_context:
+        raise InvalidRequest(f"prompt has {tokens} tokens; the context holds {limits.max_context} "
+                             "(prompt + at least one generated token)")
+
+
+def check_prompt_text(text: str, limits: Limits) -> None:
+    """Refuses a text that cannot fit before tokenizing it (tokenizing 100 MB would stall the server)."""
+    most = limits.max_context * MAX_PROMPT_CHARS_PER_TOKEN
+    if len(text) > most:
+        raise InvalidRequest(f"prompt text has {len(text)} characters; a context of {limits.max_context} tokens "
+                             f"is refused above {most} characters")
+
+
 def validate_request(prompt_ids, *, limits: Limits, max_tokens: int | None = None, temperature: float = 0.0,
                      top_p: float = 0.0, top_k: int = 0, seed: int | None = None,
                      stop_token_ids=(), stop_strings=(), ignore_eos: bool = False,
                      mode: Mode | str | None = None, budget: int = 0, available_modes=tuple(Mode),
                      client_request_id: str = "", deadline: float | None = None) -> RequestSpec:
     """Checks every field against `limits`; max_tokens None (unset) and 0 for top_p, budget mean "server default"."""
+    check_prompt_length(len(prompt_ids), limits)  # before expanding the ids
     prompt = tuple(int(t) for t in prompt_ids)
-    if not prompt:
-        raise InvalidRequest("prompt is empty")
-    if len(prompt) >= limits.max_context:
-        raise InvalidRequest(f"prompt has {len(prompt)} tokens; the context holds {limits.max_context} "
-                             "(prompt + at least one generated token)")
     bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
     if bad:
         raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})"
@@ -112,6 +130,13 @@ def validate_request(prompt_ids, *, limits: Limits, max_tokens: int | None = Non
         raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise InvalidRequest(f"top_k must be >= 0 (0 disables), got {top_k}")
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(stop_token_ids)}")
+    if len(stop_strings) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop_strings)}")
+    longest = max((len(s) for s in stop_strings), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise InvalidRequest(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
     stops = tuple(int(t) for t in stop_token_ids)
     bad = [t for t in stops if not 0 <= t < limits.vocab_size]
     if bad:

@@ -33,9 +33,18 @@ GREEDY = SamplingParams()
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a sampled node draws from: softmax(logits / T) cut by top-k, then top-p.
 
-    logits [n, V] -> probs [n, V] float32 (renormalized over the kept tokens).
+    logits [n, V] -> probs [n, V] float32 (renormalized over the kept tokens). The maximum is
+    subtracted before dividing, so every temperature > 0 has its mathematical limit: a tiny one
+    puts all the mass on the argmax (split evenly among ties) instead of inf / inf = NaN, a huge
+    one gives the uniform distribution. Non-finite logits raise (they would sample garbage).
     """
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    bad = torch.isnan(logits).any() | (logits == float("inf")).any() | ~torch.isfinite(logits).any(-1).all()
+    if bool(bad):  # one host read; the sampled path reads the draw right after anyway
+        raise ValueError("the target produced NaN or +inf logits (or a row without any finite logit)")
+    # below float32's smallest normal a temperature would round to 0 in the division: same limit
+    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.max(-1, keepdim=True).values) / temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
