@@ -25,5 +25,5 @@ COPY tools tools
 # CUDA kernels are compiled when nvcc is found (it is, in this devel image)
 RUN pip install --no-build-isolation . && ddtree info
 
-EXPOSE 50051
+EXPOSE 50051 8000
 CMD ["ddtree", "--help"]

@@ -71,6 +71,10 @@ def test_ports_and_endpoints_agree(compose):
     for name, args in (("verify", verify), ("drafter", drafter), ("treebuild", treebuild)):
         health = parse(s[name]["healthcheck"]["test"][1:])
         assert health.command == "health" and port_of(health.target) == args.port, name
+    http = parse(s["http"]["command"])
+    assert port_of(http.verify) == verify.port and http.target == verify.target and http.host == "0.0.0.0"
+    assert f"127.0.0.1:{http.port}/health" in s["http"]["healthcheck"]["test"][-1]
+    assert s["http"]["depends_on"]["verify"]["condition"] == "service_healthy"
     load = parse(s["loadtest"]["command"])
     assert port_of(load.target) == verify.port and s["loadtest"]["profiles"] == ["loadtest"]
     assert {"4317:4317", "16686:16686"} <= set(s["jaeger"]["ports"])

@@ -61,7 +61,8 @@ def hf_greedy_text(target_dir: Path, prompt: str, n: int) -> str:
 
 def test_demo_runs_prompts_and_prints_stats_and_breakdown(pair, subprocess_env):
     start = time.monotonic()
-    result = up(["--demo", "--bundled-dir", str(pair), "--port", "0", "--demo-max-tokens", str(MAX_TOKENS)],
+    result = up(["--demo", "--bundled-dir", str(pair), "--port", "0", "--http-port", "0", "--demo-max-tokens",
+                 str(MAX_TOKENS)],
                 service_env(subprocess_env), timeout=DEMO_TIME_BOUND_S + 60)
     elapsed = time.monotonic() - start
     out = result.stdout

@@ -6,6 +6,7 @@ it (new requests speculate again); SIGTERM stops everything and leaves no proces
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -73,13 +75,13 @@ def alive(pid: int) -> bool:
 def test_up_serves_degrades_restarts_and_stops(tmp_path, subprocess_env):
     target, drafter = make_pair(tmp_path)
     port = free_port()
-    up = Up(["--target", str(target), "--drafter", str(drafter), "--port", str(port), "--device", "cpu",
-             "--verify-arg=--reattach-after-s=0.5", "--verify-arg=--max-budget=32", "--verify-arg=--page-size=8",
+    up = Up(["--target", str(target), "--drafter", str(drafter), "--port", str(port), "--http-port", "0",
+             "--device", "cpu", "--verify-arg=--reattach-after-s=0.5", "--verify-arg=--max-budget=32", "--verify-arg=--page-size=8",
              "--verify-arg=--num-pages=1024", "--grace-s", "15"], service_env(subprocess_env))
     try:
-        up.wait_for(r"ready; public API on 127\.0\.0\.1:%d" % port, 240)
+        ready = up.wait_for(r"ready; public API on 127\.0\.0\.1:%d, OpenAI-compatible HTTP API on (\S+)/v1\." % port, 240)
         pids = {m.group(1): int(m.group(2)) for m in re.finditer(r"ddtree up: (\w+)\s+\S+\s+\(pid (\d+)\)", up.text())}
-        assert {"drafter", "verify", "treebuild"} <= set(pids)
+        assert {"drafter", "verify", "treebuild", "http"} <= set(pids)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = generation_pb2_grpc.GenerationStub(ch)
             prompt = [3, 1, 4, 1, 5]
@@ -87,6 +89,15 @@ def test_up_serves_degrades_restarts_and_stops(tmp_path, subprocess_env):
             chunks = list(stream(stub, prompt, pb.MODE_DDTREE, 150))
             assert tokens_of(chunks) == ar and chunks[-1].usage.mean_acceptance_length > 1.2
             assert not chunks[-1].degradation
+
+            # the HTTP API in front of the verify service: the same greedy tokens (byte-level text)
+            with urllib.request.urlopen(f"{ready.group(1)}/health", timeout=10) as reply:
+                assert json.load(reply) == {"status": "ok"}
+            body = json.dumps({"prompt": prompt, "max_tokens": 150, "temperature": 0, "ignore_eos": True, "mode": "ar"})
+            request = urllib.request.Request(f"{ready.group(1)}/v1/completions", body.encode(),
+                                             {"content-type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as reply:
+                assert json.load(reply)["choices"][0]["text"] == bytes(ar).decode()
 
             # concurrent clients, mixed modes batched together by the engine
             prompts = [[i % 30, (3 * i) % 30, 7] for i in range(6)]

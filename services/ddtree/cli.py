@@ -17,12 +17,14 @@ COMMANDS: list[tuple[str, str]] = [
     ("ddtree.cli", "add_info_command"),
     ("ddtree.up", "add_up_parser"),
     ("ddtree.telemetry.trace_report", "add_trace_report_parser"),
+    ("ddtree.http.main", "add_serve_parser"),  # `ddtree http`, the same as `ddtree serve http`
 ]
 # `ddtree serve NAME`: one entry per service, each adding its own parser to the serve group.
 SERVE_COMMANDS: list[tuple[str, str]] = [
     ("ddtree.verify.main", "add_serve_parser"),
     ("ddtree.drafter.main", "add_serve_parser"),
     ("ddtree.treebuild.main", "add_serve_parser"),
+    ("ddtree.http.main", "add_serve_parser"),
     ("ddtree.transport.probe_server", "add_serve_parser"),
 ]
 
@@ -72,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         getattr(importlib.import_module(module), func)(subparsers)
     if SERVE_COMMANDS:
         serve = subparsers.add_parser("serve", help="run one service in the foreground",
-                                      description="Runs one ddtree service as a gRPC server.")
+                                      description="Runs one ddtree service in the foreground.")
         serve_sub = serve.add_subparsers(dest="service", metavar="SERVICE", required=True)
         for module, func in SERVE_COMMANDS:
             getattr(importlib.import_module(module), func)(serve_sub)

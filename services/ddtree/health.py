@@ -1,4 +1,5 @@
-"""Waiting for a gRPC server's standard health service to report SERVING (torch-free)."""
+"""Waiting for a gRPC server's standard health service to report SERVING, or an HTTP health
+endpoint to answer 200 (torch-free)."""
 from __future__ import annotations
 
 import time
@@ -37,3 +38,28 @@ def wait_until_serving(target: str, timeout_s: float, *, check_timeout_s: float 
             if on_wait is not None:
                 on_wait(reason)
             time.sleep(poll_s)
+
+
+def wait_until_http_ok(url: str, timeout_s: float, *, check_timeout_s: float = 1.0, poll_s: float = 0.2,
+                       still_starting: Callable[[], bool] | None = None) -> str:
+    """The same for an HTTP health endpoint: polls GET `url` (no proxy) until it answers 200."""
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if still_starting is not None and not still_starting():
+            return EXITED
+        try:
+            with opener.open(url, timeout=check_timeout_s) as reply:
+                if reply.status == 200:
+                    return ""
+                reason = f"HTTP {reply.status}"
+        except urllib.error.HTTPError as exc:
+            reason = f"HTTP {exc.code}"
+        except (urllib.error.URLError, OSError) as exc:
+            reason = str(getattr(exc, "reason", exc))
+        if time.monotonic() > deadline:
+            return reason
+        time.sleep(poll_s)

@@ -1,14 +1,16 @@
-"""`ddtree up`: the whole deployment on one host, as three processes.
+"""`ddtree up`: the whole deployment on one host, as four processes.
 
-    ddtree up --target DIR --drafter DIR [--host 127.0.0.1 --port 50051] [--tp N] [--device auto]
+    ddtree up --target DIR --drafter DIR [--host 127.0.0.1 --port 50051] [--http-port 8000] [--tp N]
     ddtree up --demo [--bundled-dir DIR] [--demo-keep]      # the bundled pair on CPU, a few prompts
 
 Starts the tree-build sidecar and the drafter service on loopback ports, waits until both report
-SERVING, then starts the verify service (public API on --host:--port, default 127.0.0.1:50051)
-pointed at them, waits for it, prints the endpoints and stays in the foreground. Ctrl-C or
-SIGTERM stops all three (SIGTERM, then SIGKILL after --grace-s). A drafter or sidecar that crashes
-is restarted (the verify service serves degraded meanwhile, then re-attaches it); if the verify
-service exits, the others are stopped and `ddtree up` exits with status 1. On a GPU host every service uses
+SERVING, then starts the verify service (public gRPC API on --host:--port, default
+127.0.0.1:50051) pointed at them, waits for it, then the OpenAI-compatible HTTP API in front of it
+(on --host:--http-port, default 8000; 0 = any free port; --no-http leaves it out) and waits for its
+/health, prints the endpoints and stays in the foreground. Ctrl-C or SIGTERM stops them all
+(SIGTERM, then SIGKILL after --grace-s). A drafter, sidecar or HTTP front that crashes is restarted
+(the verify service serves degraded meanwhile, then re-attaches a drafter or sidecar); if the
+verify service exits, the others are stopped and `ddtree up` exits with status 1. On a GPU host every service uses
 GPU 0 (verify ranks use GPUs 0..N-1) and tensors move by CUDA IPC; on CPU, by shared memory.
 
 --demo: the models default to the bundled pair (checked against its manifest; --bundled-dir or
@@ -34,12 +36,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible API's port (vLLM's and SGLang's defaults are 8000 and 30000)
 # The module of each `ddtree serve NAME` (a service whose module is missing is left out).
-SERVICES = {"verify": "ddtree.verify.main", "drafter": "ddtree.drafter.main", "treebuild": "ddtree.treebuild.main"}
+SERVICES = {"verify": "ddtree.verify.main", "drafter": "ddtree.drafter.main", "treebuild": "ddtree.treebuild.main",
+            "http": "ddtree.http.main"}
+ANY_ADDRESS = ("0.0.0.0", "::", "[::]")
 
 
 def add_up_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("up", help="start verify + drafter + tree-build sidecar on this host",
+    p = subparsers.add_parser("up", help="start verify + drafter + tree-build sidecar + HTTP API on this host",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_up_arguments(p)
     p.set_defaults(func=functools.partial(run_checked, p))
@@ -50,7 +55,10 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target checkpoint directory (required unless --demo)")
     p.add_argument("--drafter", help="DFlash drafter checkpoint directory (required unless --demo)")
     p.add_argument("--host", default="127.0.0.1", help="public API address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"public API port (default {DEFAULT_PORT})")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"public gRPC API port (default {DEFAULT_PORT})")
+    p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                   help=f"OpenAI-compatible HTTP API port, on --host (default {DEFAULT_HTTP_PORT}; 0 = any free port)")
+    p.add_argument("--no-http", action="store_true", help="no OpenAI-compatible HTTP API")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the verify service")
     p.add_argument("--device", default=None,
                    help="auto (cuda when available), cuda or cpu (default auto; cpu with --demo)")
@@ -60,7 +68,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout-s", type=float, default=600.0, help="per service (default 600)")
     p.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL delay at shutdown")
     p.add_argument("--max-restarts", type=int, default=5,
-                   help="restarts of a crashed drafter/sidecar before giving up (verify is never restarted)")
+                   help="restarts of a crashed drafter/sidecar/HTTP API before giving up (verify is never restarted)")
     p.add_argument("--verify-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `ddtree serve verify` (repeatable), e.g. --verify-arg=--max-running=32")
     d = p.add_argument_group("demo")
@@ -135,8 +143,13 @@ def service_available(name: str) -> bool:
         return False
 
 
+def loopback(host: str) -> str:
+    """The address to reach a server listening on `host` from this host."""
+    return "127.0.0.1" if host in ANY_ADDRESS else host
+
+
 def plan(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
-    """(name, endpoint, `ddtree serve` arguments) in start order."""
+    """(name, endpoint, `ddtree serve` arguments) in start order; the HTTP API's endpoint is its URL."""
     device = args.device
     sidecar_device = "cuda:0" if device.startswith("cuda") else device
     services = []
@@ -149,22 +162,36 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
                                      "--port", dr.rsplit(":", 1)[1], "--device", sidecar_device,
                                      *(["--eager"] if args.eager else [])]))
     if args.port == 0:  # "any port": choose it here, so the endpoint printed and health-checked is the real one
-        args.port = free_port(args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1")
+        args.port = free_port(loopback(args.host))
     verify = ["--target", args.target, "--drafter", args.drafter, "--drafter-endpoint", dr, "--host", args.host,
               "--port", str(args.port), "--tp", str(args.tp), "--device", device, *(["--eager"] if args.eager else [])]
     if services[0][0] == "treebuild":
         verify += ["--treebuild-endpoint", services[0][1]]
     services.append(("verify", f"{args.host}:{args.port}", verify + list(args.verify_arg)))
+    if not args.no_http and service_available("http"):
+        if args.http_port == 0:
+            args.http_port = free_port(loopback(args.host))
+        services.append(("http", f"http://{args.host}:{args.http_port}",
+                         ["--verify", f"{loopback(args.host)}:{args.port}", "--target", args.target,
+                          "--host", args.host, "--port", str(args.http_port)]))
     return services
 
 
 def wait_serving(child: Child, timeout_s: float) -> None:
-    """Waits for the child's health service to say SERVING; raises if it exits or time runs out."""
-    from ddtree.health import EXITED, wait_until_serving
+    """Waits for the child's health service to say SERVING (the HTTP API: /health to answer 200);
+    raises if it exits or time runs out."""
+    from ddtree.health import EXITED, wait_until_http_ok, wait_until_serving
 
-    host, port = child.endpoint.rsplit(":", 1)
-    target = f"{'127.0.0.1' if host in ('0.0.0.0', '::', '[::]') else host}:{port}"
-    reason = wait_until_serving(target, timeout_s, still_starting=lambda: child.proc.poll() is None)
+    host, port = child.endpoint.removeprefix("http://").rsplit(":", 1)
+    target = f"{loopback(host)}:{port}"
+
+    def starting() -> bool:
+        return child.proc.poll() is None
+
+    if child.name == "http":
+        reason = wait_until_http_ok(f"http://{target}/health", timeout_s, still_starting=starting)
+    else:
+        reason = wait_until_serving(target, timeout_s, still_starting=starting)
     if reason == EXITED:
         raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} during start")
     if reason:
@@ -236,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
                 raise KeyboardInterrupt
         for child in children:
             print(f"ddtree up: {child.name:9s} {child.endpoint}  (pid {child.proc.pid})", flush=True)
-        print(f"ddtree up: ready; public API on {args.host}:{args.port}. Ctrl-C stops everything.", flush=True)
+        http = next((f", OpenAI-compatible HTTP API on {c.endpoint}/v1" for c in children if c.name == "http"), "")
+        print(f"ddtree up: ready; public API on {args.host}:{args.port}{http}. Ctrl-C stops everything.", flush=True)
         if demo:
             code = run_demo(args, trace_file)
             if code or not args.demo_keep:
@@ -283,7 +311,7 @@ def run_demo(args: argparse.Namespace, trace_file: Path) -> int:
     from ddtree import demo
 
     config = demo.DemoConfig(max_tokens=args.demo_max_tokens, budget=args.demo_budget)
-    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "[::]") else args.host
+    host = loopback(args.host)
     print(f"ddtree up: demo: {len(demo.DEMO_PROMPTS)} prompts, greedy, ddtree mode, budget "
           f"{config.budget or 'server policy'}, {config.max_tokens} tokens each; target {args.target}\n", flush=True)
     results = demo.run_prompts(f"{host}:{args.port}", args.target, config)
