@@ -14,22 +14,13 @@ drops the carry of a value that rounds up to the next power of two: 125.96 -> 64
 from __future__ import annotations
 
 import math
-import os
-import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-CUDA = torch.cuda.is_available()
-# The interpreter is chosen when triton decorates its own functions, at its first import: if an
-# earlier test module already imported triton, the kernels run in a fresh process instead.
-IN_PROCESS = CUDA or "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1"
-if not CUDA and IN_PROCESS:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_interpreter import CUDA, IN_PROCESS, interpreter_index_fix, rerun_in_fresh_process
 
 triton = pytest.importorskip("triton")
 
@@ -59,11 +50,7 @@ def _interpreter_fixes(request):
         return
     import triton.language as tl
     import triton.runtime.interpreter as interp
-    patch_tensor, convert = interp._patch_lang_tensor, interp._convert_float
-
-    def patched_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+    convert = interp._convert_float
 
     def patched_convert(data, src, dst, rounding):
         if dst == tl.float8e4nv and src in (tl.float32, tl.float16):
@@ -71,9 +58,12 @@ def _interpreter_fixes(request):
             return t.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
         return convert(data, src, dst, rounding)
 
-    interp._patch_lang_tensor, interp._convert_float = patched_tensor, patched_convert
-    yield
-    interp._patch_lang_tensor, interp._convert_float = patch_tensor, convert
+    interp._convert_float = patched_convert
+    try:
+        with interpreter_index_fix():
+            yield
+    finally:
+        interp._convert_float = convert
 
 
 # ---- references -----------------------------------------------------------------------------------
@@ -500,10 +490,5 @@ def test_no_host_sync(fmt):
 
 @pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
 def test_kernels_in_a_fresh_process():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    summary = run.stdout.strip().splitlines()[-1]
     # skipped in there: this test and, without a GPU, the CUDA-only ones
-    assert re.fullmatch(rf"\d+ passed, {1 if CUDA else 5} skipped in .*", summary), summary
+    rerun_in_fresh_process(__file__, 1 if CUDA else 5)

@@ -7,20 +7,11 @@ tl.dot mishandles bf16 operands; the kernel's code path is the same for both dty
 from __future__ import annotations
 
 import importlib
-import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-# The interpreter is chosen when triton decorates its own functions, at its first import: if an
-# earlier test module already imported triton, the kernels run in a fresh process instead.
-IN_PROCESS = CUDA or "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1"
-if not CUDA and IN_PROCESS:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_interpreter import CUDA, IN_PROCESS, interpreter_index_fix, rerun_in_fresh_process
 
 triton = pytest.importorskip("triton")
 
@@ -47,19 +38,8 @@ def _interpreter_index_fix(request):
     if CUDA:
         yield
         return
-    import triton.runtime.interpreter as interp
-    original = getattr(interp, "_patch_lang_tensor", None)
-    if original is None:  # another triton version: nothing to patch
+    with interpreter_index_fix():
         yield
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
-
-    interp._patch_lang_tensor = patched
-    yield
-    interp._patch_lang_tensor = original
 
 
 def make_inputs(prefixes: list[int], tail: int, heads: int, page_size: int, mask: torch.Tensor,
@@ -289,10 +269,5 @@ def test_dispatcher_uses_kernel_on_cuda_and_reference_elsewhere(monkeypatch):
 
 @pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
 def test_kernels_in_a_fresh_process():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    summary = run.stdout.strip().splitlines()[-1]
     # skipped in there: this test, and without a GPU the two GPU-shape cases of the wide launch
-    assert re.fullmatch(rf"\d+ passed, {1 if CUDA else 3} skipped in .*", summary), summary
+    rerun_in_fresh_process(__file__, 1 if CUDA else 3)
