@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from test_engine_common import make_pair
-from test_verify_service import service_env
+from test_verify_service import _tls_files, channel, service_env
 
 from ddtree.up import free_port
 from ddtree.v1 import generation_pb2 as pb
@@ -73,16 +73,19 @@ def alive(pid: int) -> bool:
 
 
 def test_up_serves_degrades_restarts_and_stops(tmp_path, subprocess_env):
+    """Over TLS (issue 40 item 9): up's health wait and the HTTP API trust the certificate."""
     target, drafter = make_pair(tmp_path)
+    cert, key = _tls_files(tmp_path)
     port = free_port()
     up = Up(["--target", str(target), "--drafter", str(drafter), "--port", str(port), "--http-port", "0",
+             "--tls-cert", str(cert), "--tls-key", str(key),
              "--device", "cpu", "--verify-arg=--reattach-after-s=0.5", "--verify-arg=--max-budget=32", "--verify-arg=--page-size=8",
              "--verify-arg=--num-pages=1024", "--grace-s", "15"], service_env(subprocess_env))
     try:
         ready = up.wait_for(r"ready; public API on 127\.0\.0\.1:%d, OpenAI-compatible HTTP API on (\S+)/v1\." % port, 240)
         pids = {m.group(1): int(m.group(2)) for m in re.finditer(r"ddtree up: (\w+)\s+\S+\s+\(pid (\d+)\)", up.text())}
         assert {"drafter", "verify", "treebuild", "http"} <= set(pids)
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        with channel(port, str(cert)) as ch:
             stub = generation_pb2_grpc.GenerationStub(ch)
             prompt = [3, 1, 4, 1, 5]
             ar = tokens_of(stream(stub, prompt, pb.MODE_AR, 150))
@@ -159,6 +162,16 @@ def test_up_serves_degrades_restarts_and_stops(tmp_path, subprocess_env):
         if up.proc.poll() is None:
             up.proc.kill()
             up.proc.wait()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+    (["--tls-cert", "missing.pem", "--tls-key", "missing.pem"], "--tls-cert missing.pem: no such file"),
+])
+def test_up_tls_flags_are_checked_before_anything_starts(flags, message, subprocess_env):
+    run = subprocess.run([sys.executable, "-m", "ddtree.cli", "up", "--demo", *flags], env=subprocess_env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
 
 
 @pytest.mark.cuda

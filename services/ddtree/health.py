@@ -10,18 +10,16 @@ EXITED = "exited"
 
 def wait_until_serving(target: str, timeout_s: float, *, check_timeout_s: float = 1.0, poll_s: float = 0.2,
                        still_starting: Callable[[], bool] | None = None,
-                       on_wait: Callable[[str], None] | None = None) -> str:
+                       on_wait: Callable[[str], None] | None = None, tls_ca: str | None = None) -> str:
     """Polls `target`'s health service until SERVING and returns "". Otherwise returns why it
     stopped waiting: EXITED when `still_starting()` turned false (the server's process died), or
     the last answer ("not serving yet", or the gRPC code) once `timeout_s` has passed. Callers
-    turn that into their own error."""
+    turn that into their own error. `tls_ca`: a PEM file of root certificates: connect with TLS."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from ddtree.grpc_options import channel_options
-
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target, options=channel_options()) as channel:
+    with grpc_channel(target, tls_ca) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if still_starting is not None and not still_starting():
@@ -38,6 +36,21 @@ def wait_until_serving(target: str, timeout_s: float, *, check_timeout_s: float 
             if on_wait is not None:
                 on_wait(reason)
             time.sleep(poll_s)
+
+
+def grpc_channel(target: str, tls_ca: str | None = None, *, aio: bool = False):
+    """A channel with the project's options: TLS verified against the PEM roots in `tls_ca` when
+    given (the server's certificate must name the host of `target`), else plaintext."""
+    import grpc
+
+    from ddtree.grpc_options import channel_options
+
+    kind = grpc.aio if aio else grpc
+    if tls_ca is None:
+        return kind.insecure_channel(target, options=channel_options())
+    with open(tls_ca, "rb") as f:
+        creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+    return kind.secure_channel(target, creds, options=channel_options())
 
 
 def wait_until_http_ok(url: str, timeout_s: float, *, check_timeout_s: float = 1.0, poll_s: float = 0.2,

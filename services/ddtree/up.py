@@ -1,6 +1,7 @@
 """`ddtree up`: the whole deployment on one host, as four processes.
 
     ddtree up --target DIR --drafter DIR [--host 127.0.0.1 --port 50051] [--http-port 8000] [--tp N]
+              [--tls-cert PEM --tls-key PEM]   # TLS on the public gRPC API (health wait and HTTP API trust it)
     ddtree up --demo [--bundled-dir DIR] [--demo-keep]      # the bundled pair on CPU, a few prompts
 
 Starts the tree-build sidecar and the drafter service on loopback ports, waits until both report
@@ -59,6 +60,10 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                    help=f"OpenAI-compatible HTTP API port, on --host (default {DEFAULT_HTTP_PORT}; 0 = any free port)")
     p.add_argument("--no-http", action="store_true", help="no OpenAI-compatible HTTP API")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve the public gRPC API over TLS with this certificate chain (with --tls-key); the "
+                        "health wait and the HTTP API trust it as their root, so it must name --host")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the verify service")
     p.add_argument("--device", default=None,
                    help="auto (cuda when available), cuda or cpu (default auto; cpu with --demo)")
@@ -89,6 +94,11 @@ def resolve_models(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error("--target and --drafter go together: give both, or neither with --demo (the bundled pair)")
     if args.target is None and not args.demo:
         parser.error("--target and --drafter are required (or --demo, which runs the bundled pair)")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path is not None and not os.path.isfile(path):
+            parser.error(f"{flag} {path}: no such file")
     if args.demo_max_tokens <= 0 or args.demo_budget < 0:
         parser.error("--demo-max-tokens must be > 0 and --demo-budget >= 0")
     if args.target is None:
@@ -167,13 +177,16 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
               "--port", str(args.port), "--tp", str(args.tp), "--device", device, *(["--eager"] if args.eager else [])]
     if services[0][0] == "treebuild":
         verify += ["--treebuild-endpoint", services[0][1]]
+    if args.tls_cert:
+        verify += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
     services.append(("verify", f"{args.host}:{args.port}", verify + list(args.verify_arg)))
     if not args.no_http and service_available("http"):
         if args.http_port == 0:
             args.http_port = free_port(loopback(args.host))
         services.append(("http", f"http://{args.host}:{args.http_port}",
                          ["--verify", f"{loopback(args.host)}:{args.port}", "--target", args.target,
-                          "--host", args.host, "--port", str(args.http_port)]))
+                          "--host", args.host, "--port", str(args.http_port),
+                          *(["--verify-tls-ca", args.tls_cert] if args.tls_cert else [])]))
     return services
 
 
@@ -191,7 +204,9 @@ def wait_serving(child: Child, timeout_s: float) -> None:
     if child.name == "http":
         reason = wait_until_http_ok(f"http://{target}/health", timeout_s, still_starting=starting)
     else:
-        reason = wait_until_serving(target, timeout_s, still_starting=starting)
+        tls = child.name == "verify" and "--tls-cert" in child.args
+        reason = wait_until_serving(target, timeout_s, still_starting=starting,
+                                    tls_ca=child.args[child.args.index("--tls-cert") + 1] if tls else None)
     if reason == EXITED:
         raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} during start")
     if reason:

@@ -25,6 +25,7 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
 class HttpConfig:
     verify: str                       # HOST:PORT of the verify service's Generation API
     request_timeout_s: float | None   # gRPC deadline of one generation (None: none)
+    verify_tls_ca: str | None = None  # PEM roots: reach the verify service over TLS
 
 
 class RequestCounter:
@@ -58,7 +59,7 @@ def create_app(config: HttpConfig, info: pb.ModelInfo, prompts: Prompts, metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        verify = VerifyClient(config.verify, config.request_timeout_s)  # grpc.aio: inside the server's loop
+        verify = VerifyClient(config.verify, config.request_timeout_s, config.verify_tls_ca)  # grpc.aio: inside the server's loop
         app.state.service = OpenAIService(info, prompts, verify, metrics)
         yield
         await verify.close()

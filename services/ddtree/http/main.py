@@ -29,6 +29,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--verify", default=DEFAULT_VERIFY, metavar="HOST:PORT", help="the verify service's Generation API")
     p.add_argument("--target", required=True, metavar="DIR", default=argparse.SUPPRESS,
                    help="the target checkpoint the verify service runs (tokenizer, tokenizer_config.json)")
+    p.add_argument("--verify-tls-ca", default=None, metavar="PEM",
+                   help="root certificates of a verify service that serves TLS (its --tls-cert, when self-signed)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on (0: any free port)")
     p.add_argument("--verify-wait-s", type=float, default=600.0,
@@ -73,16 +75,17 @@ def serve(args: argparse.Namespace, log) -> int:
     from ddtree.http.prompts import Prompts
     from ddtree.http.verify_client import fetch_model_info
 
-    reason = wait_until_serving(args.verify, args.verify_wait_s)
+    reason = wait_until_serving(args.verify, args.verify_wait_s, tls_ca=args.verify_tls_ca)
     if reason:
         log.error("http: the verify service at %s is not serving after %.0f s (%s)", args.verify,
                   args.verify_wait_s, reason)
         return 1
-    info = fetch_model_info(args.verify)
+    info = fetch_model_info(args.verify, tls_ca=args.verify_tls_ca)
     prompts = Prompts.load(args.target, vocab_size=info.vocab_size, max_context=info.max_context)
     sock = listen(args.host, args.port)
     port = sock.getsockname()[1]
-    config = HttpConfig(verify=args.verify, request_timeout_s=args.request_timeout_s or None)
+    config = HttpConfig(verify=args.verify, request_timeout_s=args.request_timeout_s or None,
+                        verify_tls_ca=args.verify_tls_ca)
     app = create_app(config, info, prompts, Metrics())
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
                                            timeout_graceful_shutdown=args.grace_s))

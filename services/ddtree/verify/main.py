@@ -152,6 +152,8 @@ def serve(args, provider, log: logging.Logger) -> int:
 
     if args.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    if (args.tls_cert is None) != (args.tls_key is None):  # before loading anything
+        raise ValueError("--tls-cert and --tls-key go together")
     if args.drafter_endpoint and not args.drafter:
         raise ValueError("--drafter-endpoint needs --drafter DIR (the drafter's config decides the target features)")
     if args.drafter and args.tp > 1 and not args.drafter_endpoint:
