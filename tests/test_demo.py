@@ -118,8 +118,17 @@ def test_altered_pair_names_the_file(pair, tmp_path, subprocess_env):
     assert "drafter/model.safetensors: sha256 differs" in result.stderr
 
 
-def test_without_demo_target_and_drafter_are_required(subprocess_env):
-    result = up([], service_env(subprocess_env), timeout=60)
-    assert result.returncode == 2 and "--target and --drafter are required" in result.stderr
+def test_without_model_flags_up_serves_the_bundled_pair(pair, tmp_path, subprocess_env):
+    """No --target/--drafter: the bundled pair (here an altered copy, so it stops at the check)."""
+    copy = tmp_path / "bundled"
+    shutil.copytree(pair, copy)
+    weights = copy / "target" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    env = service_env(subprocess_env)
+    env["DDTREE_BUNDLED_DIR"] = str(copy)
+    result = up([], env, timeout=60)
+    assert result.returncode == 2 and "target/model.safetensors: sha256 differs" in result.stderr
     result = up(["--demo", "--target", "/nonexistent"], service_env(subprocess_env), timeout=60)
     assert result.returncode == 2 and "--target and --drafter go together" in result.stderr

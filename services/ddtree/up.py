@@ -53,8 +53,8 @@ def add_up_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target checkpoint directory (required unless --demo)")
-    p.add_argument("--drafter", help="DFlash drafter checkpoint directory (required unless --demo)")
+    p.add_argument("--target", help="target checkpoint directory (default: the bundled pair, with --drafter)")
+    p.add_argument("--drafter", help="DFlash drafter checkpoint directory (default: the bundled pair, with --target)")
     p.add_argument("--host", default="127.0.0.1", help="public API address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"public gRPC API port (default {DEFAULT_PORT})")
     p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
@@ -92,8 +92,6 @@ def resolve_models(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     Raises BundledModelError when the bundled pair is needed and missing or altered."""
     if (args.target is None) != (args.drafter is None):
         parser.error("--target and --drafter go together: give both, or neither with --demo (the bundled pair)")
-    if args.target is None and not args.demo:
-        parser.error("--target and --drafter are required (or --demo, which runs the bundled pair)")
     if (args.tls_cert is None) != (args.tls_key is None):
         parser.error("--tls-cert and --tls-key go together")
     for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
@@ -106,6 +104,9 @@ def resolve_models(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
         target, drafter = bundled_pair(args.bundled_dir)
         args.target, args.drafter = str(target), str(drafter)
+        if not args.demo:
+            print(f"ddtree up: no --target/--drafter given: serving the bundled demo pair ({target.parent}); "
+                  "pass --target and --drafter for your checkpoints", file=sys.stderr, flush=True)
     if args.device is None:
         args.device = "cpu" if args.demo else "auto"
     return args
