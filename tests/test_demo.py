@@ -104,13 +104,18 @@ def test_missing_pair_is_one_clear_line(tmp_path, subprocess_env):
     assert "tools/train_bundled.py" in lines[0] and "--bundled-dir" in lines[0]
 
 
-def test_altered_pair_names_the_file(pair, tmp_path, subprocess_env):
-    copy = tmp_path / "pair"
-    shutil.copytree(pair, copy)
-    weights = copy / "drafter" / "model.safetensors"
+def altered_copy(pair: Path, dst: Path, model: str) -> Path:
+    """A copy of the pair whose `model`'s weights differ from the manifest in one bit."""
+    shutil.copytree(pair, dst)
+    weights = dst / model / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
+    return dst
+
+
+def test_altered_pair_names_the_file(pair, tmp_path, subprocess_env):
+    copy = altered_copy(pair, tmp_path / "pair", "drafter")
     env = service_env(subprocess_env)
     env["DDTREE_BUNDLED_DIR"] = str(copy)  # the environment variable instead of the flag
     result = up(["--demo"], env, timeout=60)
@@ -120,12 +125,7 @@ def test_altered_pair_names_the_file(pair, tmp_path, subprocess_env):
 
 def test_without_model_flags_up_serves_the_bundled_pair(pair, tmp_path, subprocess_env):
     """No --target/--drafter: the bundled pair (here an altered copy, so it stops at the check)."""
-    copy = tmp_path / "bundled"
-    shutil.copytree(pair, copy)
-    weights = copy / "target" / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-1] ^= 1
-    weights.write_bytes(bytes(data))
+    copy = altered_copy(pair, tmp_path / "bundled", "target")
     env = service_env(subprocess_env)
     env["DDTREE_BUNDLED_DIR"] = str(copy)
     result = up([], env, timeout=60)
