@@ -164,6 +164,20 @@ def test_up_serves_degrades_restarts_and_stops(tmp_path, subprocess_env):
             up.proc.wait()
 
 
+def test_up_refuses_a_taken_port_before_starting_anything(subprocess_env):
+    import socket
+
+    with socket.socket() as other:  # another server on the public port
+        other.bind(("127.0.0.1", 0))
+        other.listen(1)
+        port = other.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "ddtree.cli", "up", "--demo", "--port", str(port),
+                              "--http-port", "0"], env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert f"ddtree up: 127.0.0.1:{port} already in use" in run.stderr and "Traceback" not in run.stderr
+    assert "public API on" not in run.stdout + run.stderr  # never reported ready
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
     (["--tls-cert", "missing.pem", "--tls-key", "missing.pem"], "--tls-cert missing.pem: no such file"),

@@ -121,7 +121,28 @@ def run_checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     except BundledModelError as exc:
         print(f"ddtree up: {exc}", file=sys.stderr, flush=True)
         return 2
+    taken = ports_in_use(args)
+    if taken:  # else the health wait could reach another stack's server and call it ready
+        print(f"ddtree up: {taken} already in use (another ddtree up?); choose another port or stop it",
+              file=sys.stderr, flush=True)
+        return 2
     return run(args)
+
+
+def ports_in_use(args: argparse.Namespace) -> str:
+    """The public ports (gRPC, HTTP) that cannot be bound now, as "host:port[, ...]"; 0 is any port."""
+    import socket
+
+    wanted = [args.port] + ([] if args.no_http else [args.http_port])
+    taken = []
+    for port in (p for p in wanted if p):
+        with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is free
+            try:
+                sock.bind((args.host, port))
+            except OSError:
+                taken.append(f"{args.host}:{port}")
+    return ", ".join(taken)
 
 
 @dataclass
