@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from test_engine_common import VOCAB, make_pair
 
-from ddtree.grpc_options import channel_options
+from ddtree.grpc_options import open_channel
 from ddtree.v1 import generation_pb2 as pb
 from ddtree.v1 import generation_pb2_grpc
 
@@ -87,11 +87,8 @@ class Service:
 
 
 def channel(port, tls_ca=None):
-    if tls_ca:
-        with open(tls_ca, "rb") as fh:
-            creds = grpc.ssl_channel_credentials(root_certificates=fh.read())
-        return grpc.secure_channel(f"localhost:{port}", creds, options=channel_options())
-    return grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
+    """TLS by name (the test certificate's), plaintext by address."""
+    return open_channel(f"{'localhost' if tls_ca else '127.0.0.1'}:{port}", tls_ca)
 
 
 def service_env(subprocess_env):

@@ -18,8 +18,10 @@ def wait_until_serving(target: str, timeout_s: float, *, check_timeout_s: float 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from ddtree.grpc_options import open_channel
+
     deadline = time.monotonic() + timeout_s
-    with grpc_channel(target, tls_ca) as channel:
+    with open_channel(target, tls_ca) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if still_starting is not None and not still_starting():
@@ -36,21 +38,6 @@ def wait_until_serving(target: str, timeout_s: float, *, check_timeout_s: float 
             if on_wait is not None:
                 on_wait(reason)
             time.sleep(poll_s)
-
-
-def grpc_channel(target: str, tls_ca: str | None = None, *, aio: bool = False):
-    """A channel with the project's options: TLS verified against the PEM roots in `tls_ca` when
-    given (the server's certificate must name the host of `target`), else plaintext."""
-    import grpc
-
-    from ddtree.grpc_options import channel_options
-
-    kind = grpc.aio if aio else grpc
-    if tls_ca is None:
-        return kind.insecure_channel(target, options=channel_options())
-    with open(tls_ca, "rb") as f:
-        creds = grpc.ssl_channel_credentials(root_certificates=f.read())
-    return kind.secure_channel(target, creds, options=channel_options())
 
 
 def wait_until_http_ok(url: str, timeout_s: float, *, check_timeout_s: float = 1.0, poll_s: float = 0.2,

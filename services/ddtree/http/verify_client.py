@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ddtree.health import grpc_channel
+from ddtree.grpc_options import open_channel
 from ddtree.v1 import generation_pb2 as pb
 from ddtree.v1 import generation_pb2_grpc
 
@@ -14,13 +14,13 @@ HEALTH_TIMEOUT_S = 2.0
 
 def fetch_model_info(target: str, timeout_s: float = 10.0, tls_ca: str | None = None) -> pb.ModelInfo:
     """GetModelInfo over a short-lived blocking channel (before the event loop starts)."""
-    with grpc_channel(target, tls_ca) as channel:
+    with open_channel(target, tls_ca) as channel:
         return generation_pb2_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s)
 
 
 class VerifyClient:
     def __init__(self, target: str, request_timeout_s: float | None, tls_ca: str | None = None):
-        self._channel = grpc_channel(target, tls_ca, aio=True)
+        self._channel = open_channel(target, tls_ca, aio=True)
         self._generation = generation_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._timeout_s = request_timeout_s
