@@ -13,6 +13,7 @@ drops the carry of a value that rounds up to the next power of two: 125.96 -> 64
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -20,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_interpreter import CUDA, IN_PROCESS, interpreter_index_fix, rerun_in_fresh_process
+from triton_interpreter import CUDA, IN_PROCESS, kernels_here, rerun_in_fresh_process
 
 triton = pytest.importorskip("triton")
 
@@ -34,20 +35,10 @@ TOL = {"fp8": 1e-2, "int4": 5e-3}
 FMTS = ("fp8", "int4")
 
 
-@pytest.fixture(autouse=True)
-def _interpreter_fixes(request):
-    """Under the interpreter (no GPU): (1) Triton 3.6 turns loop bounds into ints with int(array of
-    shape (1,)), which numpy >= 2.4 refuses: reshape to 0-d first; (2) its float -> e4m3 cast
-    mishandles the carry into the exponent: cast with torch (round to nearest even, the GPU's
-    cvt.rn.satfinite on the clamped values the kernels cast). Compiled kernels are not affected."""
-    if request.function is test_kernels_in_a_fresh_process:
-        yield
-        return
-    if not IN_PROCESS:
-        pytest.skip("triton was imported before TRITON_INTERPRET=1: test_kernels_in_a_fresh_process runs these")
-    if CUDA:
-        yield
-        return
+@contextlib.contextmanager
+def _fp8_cast_fix():
+    """The interpreter's float -> e4m3 cast mishandles the carry into the exponent: cast with torch
+    (round to nearest even, the GPU's cvt.rn.satfinite on the clamped values the kernels cast)."""
     import triton.language as tl
     import triton.runtime.interpreter as interp
     convert = interp._convert_float
@@ -60,10 +51,17 @@ def _interpreter_fixes(request):
 
     interp._convert_float = patched_convert
     try:
-        with interpreter_index_fix():
-            yield
+        yield
     finally:
         interp._convert_float = convert
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_fixes(request):
+    """Under the interpreter (no GPU): the numpy index fix and the e4m3 cast fix. Compiled kernels
+    are not affected."""
+    with kernels_here(request, test_kernels_in_a_fresh_process, _fp8_cast_fix):
+        yield
 
 
 # ---- references -----------------------------------------------------------------------------------

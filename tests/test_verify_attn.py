@@ -11,7 +11,7 @@ import importlib
 import pytest
 import torch
 
-from triton_interpreter import CUDA, IN_PROCESS, interpreter_index_fix, rerun_in_fresh_process
+from triton_interpreter import CUDA, IN_PROCESS, kernels_here, rerun_in_fresh_process
 
 triton = pytest.importorskip("triton")
 
@@ -30,15 +30,7 @@ C, R = (512, 64) if CUDA else (64, 16)
 def _interpreter_index_fix(request):
     """Triton 3.6's interpreter turns loop bounds into ints with int(array of shape (1,)), which
     numpy >= 2.4 refuses; reshape to a 0-d array first. Compiled kernels are not affected."""
-    if request.function is test_kernels_in_a_fresh_process:
-        yield
-        return
-    if not IN_PROCESS:
-        pytest.skip("triton was imported before TRITON_INTERPRET=1: test_kernels_in_a_fresh_process runs these")
-    if CUDA:
-        yield
-        return
-    with interpreter_index_fix():
+    with kernels_here(request, test_kernels_in_a_fresh_process):
         yield
 
 

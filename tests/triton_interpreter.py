@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
@@ -41,6 +42,26 @@ def interpreter_index_fix():
         yield
     finally:
         interp._patch_lang_tensor = original
+
+
+@contextlib.contextmanager
+def kernels_here(request, fresh_process_test, *interpreter_patches):
+    """The body of a module's autouse fixture: the fresh-process test runs as it is; every other
+    test is skipped when the interpreter cannot be used in this process (that test reruns them),
+    and under the interpreter runs with the index fix and `interpreter_patches` (context managers)."""
+    if request.function is fresh_process_test:
+        yield
+        return
+    if not IN_PROCESS:
+        pytest.skip("triton was imported before TRITON_INTERPRET=1: test_kernels_in_a_fresh_process runs these")
+    if CUDA:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(interpreter_index_fix())
+        for patch in interpreter_patches:
+            stack.enter_context(patch())
+        yield
 
 
 def rerun_in_fresh_process(path: str, skipped: int) -> None:
