@@ -90,7 +90,7 @@ def parse_mode(name: str | None) -> Mode | None:
         raise InvalidRequest(f"unknown mode {name!r} (expected one of {sorted(MODE_NAMES)})") from None
 
 
-def check_prompt_length(tokens: int, limits: Limits) -> None:
+def _check_prompt_length(tokens: int, limits: Limits) -> None:
     if tokens == 0:
         raise InvalidRequest("prompt is empty")
     if tokens >= limits.max_context:
@@ -112,7 +112,7 @@ def validate_request(prompt_ids, *, limits: Limits, max_tokens: int | None = Non
                      mode: Mode | str | None = None, budget: int = 0, available_modes=tuple(Mode),
                      client_request_id: str = "", deadline: float | None = None) -> RequestSpec:
     """Checks every field against `limits`; max_tokens None (unset) and 0 for top_p, budget mean "server default"."""
-    check_prompt_length(len(prompt_ids), limits)  # before expanding the ids
+    _check_prompt_length(len(prompt_ids), limits)  # before expanding the ids
     prompt = tuple(int(t) for t in prompt_ids)
     bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
     if bad:

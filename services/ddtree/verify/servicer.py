@@ -14,8 +14,8 @@ import grpc
 
 from ddtree import __version__
 from ddtree.engine.engine import Chunk, Engine, Usage
-from ddtree.engine.request import (FinishReason, InvalidRequest, Mode, Overloaded, check_prompt_length,
-                                   check_prompt_text, validate_request)
+from ddtree.engine.request import (FinishReason, InvalidRequest, Mode, Overloaded, check_prompt_text,
+                                   validate_request)
 from ddtree.tokenizer import TokenizerError
 from ddtree.v1 import generation_pb2 as pb
 from ddtree.v1 import generation_pb2_grpc
@@ -73,8 +73,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             check_prompt_text(request.text, self.engine.limits)
             prompt = self.engine.tokenizer.encode(request.text)
         elif which == "token_ids":
-            check_prompt_length(len(request.token_ids.ids), self.engine.limits)  # before copying the ids
-            prompt = request.token_ids.ids
+            prompt = request.token_ids.ids  # validate_request counts the ids before copying them
         else:
             raise InvalidRequest("prompt is empty (set text or token_ids)")
         s, sp = request.sampling, request.speculation
