@@ -6,13 +6,16 @@ rows at a time: the same values dequantize-on-load gave).
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from test_target_bf16 import assert_bf16_close
 from test_target_common import CONFIGS, hf_logits, make_checkpoint
 from test_target_tp import _free_port, _worker
 
@@ -101,13 +104,45 @@ def test_random_weights_in_the_storage_format_have_the_asked_spread():
 
 
 # ---- GPU: the Triton kernels on the served path -----------------------------------------------------
+@contextlib.contextmanager
+def w8a8_activations():
+    """The CPU reference path with every FP8 weight's input rounded as the W8A8 kernels round it:
+    per 1x128 group to e4m3 with scale amax / 448."""
+    original = QuantWeight.reference_linear
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        k = x.shape[-1]
+        flat = F.pad(x.float().reshape(-1, k), (0, -k % 128))
+        groups = flat.view(flat.shape[0], -1, 128)
+        s = groups.abs().amax(-1, keepdim=True).clamp_min(1e-10) / torch.tensor(448.0)
+        q = (groups / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s
+        return q.view(flat.shape)[:, :k].reshape(x.shape).to(x.dtype)
+
+    def reference_linear(self, x, expert=None):
+        return original(self, rounded(x) if self.fmt == "fp8" else x, expert)
+
+    QuantWeight.reference_linear = reference_linear
+    try:
+        yield
+    finally:
+        QuantWeight.reference_linear = original
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_gpu_quantized_logits_match_transformers(tmp_path, fmt):
-    """W8A8 (FP8: activations quantized per 1x128 group) and W4A16 (INT4) on the GPU against
-    transformers in float32 on the dequantized weights. Tolerances: relative Frobenius error of the
-    logits <= 3% (FP8) / 1.5% (INT4, bf16 rounding only); greedy argmax equal on >= 90% / 95% of
-    positions (the tiny model's logits are close together, so bf16 alone flips a few)."""
+    """The GPU kernels in a whole model against transformers in float32 on the dequantized weights.
+
+    INT4 (W4A16) differs from it by bf16 rounding only: the bf16 bounds of test_target_bf16. FP8
+    (W8A8) also rounds every activation to e4m3, an error of its own (~21% relative on this tiny
+    model's logits, mostly from the MoE expert flips it causes; a bf16 and a float32 run of the
+    same rounding differ by as much, so no tighter comparison is meaningful): the GPU's error may
+    exceed that of the float32 CPU reference with the same activation rounding by 25%.
+    Tight per-kernel checks against float64 are in test_quant_gemm.py."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from test_quantized_logits import reference_model, reference_weights
@@ -120,10 +155,14 @@ def test_gpu_quantized_logits_match_transformers(tmp_path, fmt):
     ids = torch.randint(0, VARIANT.get("vocab_size", 96), (1, 64), generator=torch.Generator().manual_seed(2))
     want = hf_logits(reference, ids)[0]
     got = model.logits(ids.cuda())[0].float().cpu()
-    rel = ((got - want).norm() / want.norm()).item()
-    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-    assert rel <= (0.03 if fmt == "fp8" else 0.015), rel
-    assert agree >= (0.90 if fmt == "fp8" else 0.95), agree
+    if fmt == "int4":
+        assert_bf16_close(got, want, dense=False)
+        return
+    with w8a8_activations():
+        emulated = TargetModel.from_pretrained(path, dtype=torch.float32).logits(ids)[0]
+    budget = rel_error(emulated, want)
+    assert 0.05 < budget < 0.5, budget  # the rounding is in effect, and the reference is sane
+    assert rel_error(got, want) <= 1.25 * budget, (rel_error(got, want), budget)
 
 
 @pytest.mark.cuda

@@ -132,8 +132,10 @@ class QuantWeight(nn.Module):
         """Seeded random weights of about ``std`` built directly in the storage format (benchmarks)."""
         if self.fmt == "bf16":
             self.weight.normal_(0.0, std, generator=generator)
-        elif self.fmt == "fp8":  # values ~N(0, 112^2) in e4m3 with scale std/112: real ~N(0, std^2)
-            self.weight.copy_(torch.randn(self.weight.shape, device=self.weight.device, generator=generator).mul_(112.0))
+        elif self.fmt == "fp8":  # values ~N(0, 112^2) in e4m3 with scale std/112: real ~N(0, std^2); clamped
+            # to e4m3's range (a cast past 448 gives NaN on some torch builds)
+            self.weight.copy_(torch.randn(self.weight.shape, device=self.weight.device, generator=generator)
+                              .mul_(112.0).clamp_(-448.0, 448.0))
             self.weight_scale_inv.fill_(std / 112.0)
         else:  # uniform nibbles: q in [-8, 7] has standard deviation ~4.61
             lim = 2**31
