@@ -21,7 +21,7 @@ from opentelemetry import trace
 from ddtree.engine.backends import PeerUnavailable
 from ddtree.engine.remote import RemoteTree, traced_channel, wait_serving
 from ddtree.serving import GrpcServer, ServerConfig
-from ddtree.step_stream import OpenStreams, StepStream, serve_each
+from ddtree.step_stream import StepStream, serve_each
 from ddtree.transport import Transport, TransportConfig
 from ddtree.tree import accept, build_trees
 from ddtree.tree.samples import random_topk
@@ -167,11 +167,11 @@ class _Msg(bytes):
 
 
 def test_step_stream_pairs_replies_in_order_and_times_out():
-    echo, streams = _Echo(), OpenStreams()
+    echo = _Echo()
     tracer, ident = trace.get_tracer("test"), lambda b: b  # noqa: E731
 
     def steps(requests, context):
-        return serve_each(echo, (_Msg(r) for r in requests), context, streams=streams, tracer=tracer,
+        return serve_each(echo, (_Msg(r) for r in requests), context, tracer=tracer,
                           span_name="test.Steps/Echo", stream_name="test.Steps/Echo")
     handler = grpc.method_handlers_generic_handler(
         "test.Steps", {"Echo": grpc.stream_stream_rpc_method_handler(steps, ident, ident)})
@@ -191,13 +191,12 @@ def test_step_stream_pairs_replies_in_order_and_times_out():
         assert time.monotonic() - start < 3.0
         echo.release.set()
         assert stream.call(_Msg(b"again")) == b"again"  # a new stream
-        streams.end()  # as when the server stops: the idle stream is cancelled ...
+        start = time.monotonic()
+        server.stop()  # the idle stream is cancelled, so the stop does not wait the grace period
+        assert time.monotonic() - start < 3.0
         with pytest.raises(grpc.RpcError) as info:
             stream.call(_Msg(b"late"))
         assert info.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
-        start = time.monotonic()
-        server.stop()  # ... so the stop does not wait the grace period
-        assert time.monotonic() - start < 3.0
     finally:
         channel.close()
         server.stop(0)

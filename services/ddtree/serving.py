@@ -2,7 +2,8 @@
 
 Health (NOT_SERVING until the component says it is ready), reflection, raised message limits,
 so_reuseport off, a checked bind (port 0 allowed; the real port is reported), tracing
-interceptor, and SIGTERM/SIGINT -> graceful stop within a grace period -> tracer flush.
+interceptor, bounded use of the handler pool (ddtree.rpc_limits: health always answers), and
+SIGTERM/SIGINT -> graceful stop within a grace period -> tracer flush.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ddtree.grpc_options import MAX_MESSAGE_BYTES, server_options
 from ddtree.request_decoding import DecodeErrorInterceptor
+from ddtree.rpc_limits import HEALTH_THREADS, RpcLimits
 from ddtree.telemetry import TracingServerInterceptor, shutdown_tracing
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,9 @@ class ServerConfig:
     name: str                      # service name for logs ("drafter", "treebuild", "verify")
     host: str = "127.0.0.1"        # loopback unless told otherwise
     port: int = 0                  # 0: any free port (reported by GrpcServer.port)
-    max_workers: int = 16          # handler threads
+    max_workers: int = 16          # handler threads; HEALTH_THREADS of them only ever run health checks
+    rpcs_per_peer: int | None = 8  # RPCs in progress per calling peer (None: no per-peer bound)
+    stream_idle_s: float | None = 60.0  # a request stream with no message this long is cancelled
     grace_s: float = 5.0           # in-flight RPCs get this long after SIGTERM
     max_message_bytes: int = MAX_MESSAGE_BYTES
     tls_cert: str | None = None    # PEM certificate chain file; with tls_key: serve TLS
@@ -50,15 +54,20 @@ class GrpcServer:
 
     def __init__(self, config: ServerConfig, tracer_provider=None):
         self.config = config
+        if config.max_workers <= HEALTH_THREADS:
+            raise ValueError(f"{config.name}: max_workers={config.max_workers} must exceed the {HEALTH_THREADS} "
+                             "threads kept for health checks")
+        self.limits = RpcLimits(config.max_workers - HEALTH_THREADS, config.rpcs_per_peer, config.stream_idle_s)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=config.name),
             options=server_options(config.max_message_bytes),
-            interceptors=[DecodeErrorInterceptor(), TracingServerInterceptor(tracer_provider)],
+            interceptors=[DecodeErrorInterceptor(), self.limits, TracingServerInterceptor(tracer_provider)],
         )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._service_names: list[str] = []
         self._stopped = threading.Event()
+        self._when_stopped: list[Callable[[], None]] = []
         self._tracer_provider = tracer_provider
         self.port: int | None = None
 
@@ -104,20 +113,33 @@ class GrpcServer:
         for name in ["", *self._service_names]:
             self._health.set(name, status)
 
+    def when_stopped(self, release: Callable[[], None]) -> None:
+        """`release()` runs once the gRPC server has stopped, before "<name> stopped" is logged
+        (e.g. the transport's close: no call can use its regions any more)."""
+        self._when_stopped.append(release)
+
     def stop(self, grace_s: float | None = None) -> None:
-        """Graceful stop: NOT_SERVING, refuse new RPCs, let in-flight ones finish, flush traces."""
+        """Graceful stop: NOT_SERVING, refuse new RPCs, end idle streams (busy ones after their
+        reply), let in-flight calls finish within the grace period, flush traces."""
         if self._stopped.is_set():
             return
         grace = self.config.grace_s if grace_s is None else grace_s
         log.info("%s stopping (grace %.1fs)", self.config.name, grace)
         self._health.enter_graceful_shutdown()
+        self.limits.end()
         self._server.stop(grace).wait(grace + 1.0)
+        for release in self._when_stopped:
+            try:
+                release()
+            except Exception:  # one failed release must not keep the others or the exit from running
+                log.exception("%s: a release at stop failed", self.config.name)
         shutdown_tracing(self._tracer_provider)
         self._stopped.set()
         log.info("%s stopped", self.config.name)
 
     def install_signal_handlers(self, on_stop: Callable[[], None] | None = None) -> None:
-        """SIGTERM and SIGINT stop the server gracefully (call from the main thread)."""
+        """SIGTERM and SIGINT stop the server gracefully (call from the main thread): `on_stop()`
+        first (a component's own drain), then `stop()`."""
         def handle(signum, _frame):
             log.info("%s received %s", self.config.name, signal.Signals(signum).name)
             threading.Thread(target=self._stop_then, args=(on_stop,), daemon=True).start()

@@ -3,8 +3,9 @@ round trip on an open stream costs 0.33 ms against 0.81 ms for a unary call).
 
 Server side, `serve_each(unary, requests, context, ...)` answers every message with the unary
 handler, so the stream and the unary RPC share one code path; a message the handler refuses aborts
-the stream with that handler's status and message (gRPC has no per-message status). The servicer
-keeps its streams in an `OpenStreams` and ends them when the server stops.
+the stream with that handler's status and message (gRPC has no per-message status). The server
+scaffold (ddtree.rpc_limits) bounds open streams per peer, cancels idle ones and ends them all
+when the server stops.
 
 Client side, `StepStream(method, ...)` is a unary-looking `call(request) -> reply`: the stream is
 opened at the first call, calls are serialized by a lock and each waits for its own reply (so
@@ -34,46 +35,13 @@ _CLOSE = object()  # ends a stream's request iterator
 TRACEPARENT = "traceparent"
 
 
-class OpenStreams:
-    """A servicer's open step streams. A stopping server gives open RPCs its grace period, and a
-    step stream never ends by itself, so `end()` (call it when the server starts stopping) cancels
-    the streams waiting for a request and makes the busy ones end after their reply. Engines then
-    see CANCELLED / UNAVAILABLE, as for a unary call refused by a stopping server, and degrade."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._waiting: dict[grpc.ServicerContext, bool] = {}   # context -> waiting for a request
-        self._ending = False
-
-    def end(self) -> None:
-        with self._lock:
-            self._ending = True
-            waiting = [context for context, idle in self._waiting.items() if idle]
-        for context in waiting:
-            context.cancel()
-
-    def _mark(self, context: grpc.ServicerContext, waiting: bool) -> bool:
-        """Records the stream's state; False when the streams are ending."""
-        with self._lock:
-            self._waiting[context] = waiting
-            return not self._ending
-
-    def _forget(self, context: grpc.ServicerContext) -> None:
-        with self._lock:
-            self._waiting.pop(context, None)
-
-
-def serve_each(unary: Callable, requests: Iterable, context: grpc.ServicerContext, *, streams: OpenStreams,
+def serve_each(unary: Callable, requests: Iterable, context: grpc.ServicerContext, *,
                tracer: trace.Tracer, span_name: str, stream_name: str) -> Iterator:
     """A stream-stream handler body: one reply per request from the unary handler, each under a
     SERVER span `span_name` parented on the request's traceparent."""
     attributes = _rpc_attributes(span_name, stream_name)
     try:
-        if not streams._mark(context, waiting=True):
-            return
         for request in requests:
-            if not streams._mark(context, waiting=False):
-                return  # the server is stopping: the caller sees the stream end
             parent = extract({TRACEPARENT: request.traceparent}) if request.traceparent else None
             with tracer.start_as_current_span(span_name, context=parent, kind=SpanKind.SERVER, attributes=attributes,
                                               record_exception=False, set_status_on_exception=False) as span:
@@ -85,14 +53,10 @@ def serve_each(unary: Callable, requests: Iterable, context: grpc.ServicerContex
                                                              f"{context.details() if code else exc}"))
                     raise
             yield reply
-            if not streams._mark(context, waiting=True):
-                return
     except grpc.RpcError:
         if context.is_active():
             raise
-        # cancelled (by the caller, or by OpenStreams.end) while waiting for a request
-    finally:
-        streams._forget(context)
+        # cancelled (by the caller, or by the server: idle, or stopping) while waiting for a request
 
 
 def _rpc_attributes(span_name: str, stream_name: str) -> dict:
@@ -147,6 +111,8 @@ class StepStream:
             carrier: dict[str, str] = {}
             inject(carrier)
             request.traceparent = carrier.get(TRACEPARENT, "")
+            if self._replies is not None and self._replies.done():
+                self._close_locked()  # ended while idle (the server's idle timeout): a new one
             if self._replies is None:
                 self._open()
             self._timed_out = False

@@ -30,7 +30,12 @@ def add_serve_parser(serve_subparsers) -> argparse.ArgumentParser:
                    help="YaRN cos/sin scale: transformers (as z-lab's reference) | yarn (0.1 ln f + 1) | a number")
     p.add_argument("--transport-kind", default=os.environ.get("DDTREE_TRANSPORT_KIND", "auto"),
                    help="auto | cuda_ipc | shm | inline (env DDTREE_TRANSPORT_KIND)")
-    p.add_argument("--max-workers", type=int, default=8)
+    p.add_argument("--max-workers", type=int, default=16,
+                   help="handler threads (default 16): 2 only ever answer health checks, the others serve calls")
+    p.add_argument("--rpcs-per-peer", type=int, default=8,
+                   help="calls and streams in progress per calling peer (default 8; the verify service needs 1-3)")
+    p.add_argument("--stream-idle-s", type=float, default=60.0,
+                   help="a step stream with no message this long is cancelled (default 60; the engine reopens it)")
     p.add_argument("--eager", action="store_true",
                    help="no CUDA graphs: every draft launched op by op (graphs are on by default on a GPU)")
     p.add_argument("--graph-top-k", type=int, default=64,
@@ -82,7 +87,8 @@ def build_server(args: argparse.Namespace, tracer_provider=None):
     servicer = DrafterServicer(model, cache, transport,
                                DrafterLimits(max_batch=args.max_batch, max_top_k=args.max_top_k, slots=args.slots),
                                graphs=graphs)
-    server = GrpcServer(ServerConfig(name="drafter", host=args.host, port=args.port, max_workers=args.max_workers),
+    server = GrpcServer(ServerConfig(name="drafter", host=args.host, port=args.port, max_workers=args.max_workers,
+                                     rpcs_per_peer=args.rpcs_per_peer, stream_idle_s=args.stream_idle_s),
                         tracer_provider=tracer_provider)
     server.add(drafter_pb2_grpc.add_DrafterServicer_to_server, servicer, "ddtree.v1.Drafter")
     add_transport_service(server, transport)
@@ -96,8 +102,5 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("drafter")
     provider = setup_tracing("ddtree-drafter")
     server, servicer, transport = build_server(args, provider)  # weights loaded, transport proven
-    def stop() -> None:  # open step streams would hold the stop for its whole grace period
-        servicer.streams.end()
-        transport.close()
-
-    return serve_until_stopped(server, on_stop=stop, block_size=servicer.model.config.block_size)
+    server.when_stopped(transport.close)  # our shm segments go with the last call that used them
+    return serve_until_stopped(server, block_size=servicer.model.config.block_size)

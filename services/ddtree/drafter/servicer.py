@@ -23,9 +23,9 @@ import torch
 from opentelemetry import trace
 
 from ddtree.models.dflash import ContextCacheFull, DFlashDrafter, DrafterContextCache
-from ddtree.step_stream import OpenStreams, serve_each
+from ddtree.step_stream import serve_each
 from ddtree.telemetry.spans import DRAFT, SERVER_GPU_MS, GpuTimer
-from ddtree.transport import Transport, TransportError, align, attach, peer_id_of, serve_peer, transport_errors
+from ddtree.transport import Transport, TransportError, align, attach, serve_peer
 from ddtree.v1 import drafter_pb2, drafter_pb2_grpc, tensor_pb2
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.tracer = tracer or trace.get_tracer("ddtree.drafter")
         self.output = transport.create_region(OUTPUT_REGION, limits.slots, limits.slot_bytes(cfg.draft_length))
         self.timer = GpuTimer(enabled=model.device.type == "cuda", device=model.device)
-        self.streams = OpenStreams()   # end them with self.streams.end() when the server stops
         self._lock = threading.Lock()   # one draft at a time: the model, cache and ring are not shared
         self._next_slot = 0
         self._peers_with_requests: set[str] = set()
@@ -97,12 +96,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def DraftStream(self, requests, context: grpc.ServicerContext):
         """Draft per message of the engine's long-lived stream; a refused one ends the stream."""
-        return serve_each(self.Draft, requests, context, streams=self.streams, tracer=self.tracer,
+        return serve_each(self.Draft, requests, context, tracer=self.tracer,
                           span_name="ddtree.v1.Drafter/Draft", stream_name="ddtree.v1.Drafter/DraftStream")
 
     def Release(self, request: drafter_pb2.ReleaseRequest, context: grpc.ServicerContext):
-        with transport_errors(context):
-            peer_id = peer_id_of(context)
+        with serve_peer(self.transport, context) as peer:   # the attached peer itself (its secret), or refused
+            peer_id = peer.peer_id
         with self._lock:
             released = sum(self.cache.release(_key(peer_id, rid)) for rid in request.request_ids)
         return drafter_pb2.ReleaseReply(released=released)

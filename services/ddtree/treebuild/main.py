@@ -22,7 +22,12 @@ def add_serve_parser(serve_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="cpu backend threads (default: all cores)")
     p.add_argument("--transport-kind", default=os.environ.get("DDTREE_TRANSPORT_KIND", "auto"),
                    help="auto | cuda_ipc | shm | inline (env DDTREE_TRANSPORT_KIND)")
-    p.add_argument("--max-workers", type=int, default=8)
+    p.add_argument("--max-workers", type=int, default=16,
+                   help="handler threads (default 16): 2 only ever answer health checks, the others serve calls")
+    p.add_argument("--rpcs-per-peer", type=int, default=8,
+                   help="calls and streams in progress per calling peer (default 8; the verify service needs 1-3)")
+    p.add_argument("--stream-idle-s", type=float, default=60.0,
+                   help="a step stream with no message this long is cancelled (default 60; the engine reopens it)")
     p.set_defaults(func=run)
     return p
 
@@ -48,7 +53,8 @@ def build_server(args: argparse.Namespace, tracer_provider=None):
     transport = Transport(config)
     servicer = TreeBuilderServicer(transport, device, limits, threads=args.threads)
     servicer.warm_up()
-    server = GrpcServer(ServerConfig(name="treebuild", host=args.host, port=args.port, max_workers=args.max_workers),
+    server = GrpcServer(ServerConfig(name="treebuild", host=args.host, port=args.port, max_workers=args.max_workers,
+                                     rpcs_per_peer=args.rpcs_per_peer, stream_idle_s=args.stream_idle_s),
                         tracer_provider=tracer_provider)
     server.add(treebuild_pb2_grpc.add_TreeBuilderServicer_to_server, servicer, "ddtree.v1.TreeBuilder")
     add_transport_service(server, transport)
@@ -63,8 +69,5 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("treebuild")
     provider = setup_tracing("ddtree-treebuild")
     server, servicer, transport = build_server(args, provider)  # transport proven, kernels loaded
-    def stop() -> None:  # open step streams would hold the stop for its whole grace period
-        servicer.streams.end()
-        transport.close()
-
-    return serve_until_stopped(server, on_stop=stop, backend=servicer.backend)
+    server.when_stopped(transport.close)  # our shm segments go with the last call that used them
+    return serve_until_stopped(server, backend=servicer.backend)

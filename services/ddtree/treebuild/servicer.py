@@ -24,7 +24,7 @@ import grpc
 import torch
 from opentelemetry import trace
 
-from ddtree.step_stream import OpenStreams, serve_each
+from ddtree.step_stream import serve_each
 from ddtree.telemetry.spans import ACCEPT, SERVER_GPU_MS, TREE_BUILD, GpuTimer
 from ddtree.transport import Region, Transport, TransportError, align, attach, serve_peer
 from ddtree.transport.region import check_ref
@@ -108,7 +108,6 @@ class TreeBuilderServicer(treebuild_pb2_grpc.TreeBuilderServicer):
                 raise ValueError(f"transport kind puts region {region.name!r} on {region.device}, but the "
                                  f"{self.backend} backend runs on {self.device}: use cuda_ipc on a GPU, shm on CPU")
         self.timer = GpuTimer(enabled=self.backend == "cuda", device=self.device)
-        self.streams = OpenStreams()   # end them with self.streams.end() when the server stops
         self._lock = threading.Lock()  # one call at a time: the rings and the step table are shared
         self._next_trees_slot = 0
         self._next_accept_slot = 0
@@ -159,12 +158,12 @@ class TreeBuilderServicer(treebuild_pb2_grpc.TreeBuilderServicer):
 
     def BuildStream(self, requests, context: grpc.ServicerContext):
         """Build per message of the engine's long-lived stream; a refused one ends the stream."""
-        return serve_each(self.Build, requests, context, streams=self.streams, tracer=self.tracer,
+        return serve_each(self.Build, requests, context, tracer=self.tracer,
                           span_name="ddtree.v1.TreeBuilder/Build", stream_name="ddtree.v1.TreeBuilder/BuildStream")
 
     def AcceptStream(self, requests, context: grpc.ServicerContext):
         """Accept per message of the engine's long-lived stream; a refused one ends the stream."""
-        return serve_each(self.Accept, requests, context, streams=self.streams, tracer=self.tracer,
+        return serve_each(self.Accept, requests, context, tracer=self.tracer,
                           span_name="ddtree.v1.TreeBuilder/Accept", stream_name="ddtree.v1.TreeBuilder/AcceptStream")
 
     # -- work ------------------------------------------------------------------------------------

@@ -169,7 +169,8 @@ def serve(args, provider, log: logging.Logger) -> int:
         setup = dataclasses.replace(setup, drafter=None, drafter_layer_ids=feature_layers(setup),
                                     draft_block_size=DFlashConfig.from_pretrained(args.drafter).block_size)
     server = GrpcServer(ServerConfig(name="verify", host=args.host, port=args.port, tls_cert=args.tls_cert,
-                                     tls_key=args.tls_key, max_workers=handler_threads(args)), provider)
+                                     tls_key=args.tls_key, max_workers=handler_threads(args),
+                                     rpcs_per_peer=None), provider)  # public clients carry no peer id
 
     supervisor, group = None, None
     if args.tp > 1:
