@@ -15,7 +15,7 @@ export REPO_COMMIT=${REPO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || ec
 export DEVICE_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 mkdir -p "$RESULTS"
 start=$SECONDS
-python3 -m pip install --no-build-isolation --no-deps -e . > "$RESULTS/build.txt" 2>&1 \
+DDTREE_BUILD_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -e . > "$RESULTS/build.txt" 2>&1 \
   || { tail -40 "$RESULTS/build.txt"; tar -C "$RESULTS" -cf "$OUT/results.tar" .; exit 1; }
 echo "build: $((SECONDS - start)) s; $(python3 -c 'import ddtree.native as n; print(n.build_info())')"
 for part in "$@"; do
