@@ -20,6 +20,7 @@ import torch
 
 from ddtree.models.checkpoint import iter_checkpoint
 from ddtree.models.config import SUPPORTED_MODEL_TYPES, TargetConfig
+from ddtree.models import sources
 from ddtree.models.dflash import DFlashDrafter
 
 EMBED = "model.embed_tokens.weight"
@@ -46,6 +47,8 @@ def target_vocab_tensors(target_path: str | Path, *, dtype: torch.dtype,
 
 def load_drafter(drafter_path: str | Path, target_path: str | Path, *, dtype: torch.dtype,
                  device: torch.device | str, yarn_attention_factor: str | float = "transformers") -> DFlashDrafter:
-    embed, lm_head = target_vocab_tensors(target_path, dtype=dtype, device=device)
-    return DFlashDrafter.from_pretrained(drafter_path, embed_tokens=embed, lm_head=lm_head, dtype=dtype,
-                                         device=device, yarn_attention_factor=yarn_attention_factor)
+    """Paths or synthetic sources (`ddtree.models.sources`); a synthetic target's vocabulary is random."""
+    embed, lm_head = (sources.synthetic_vocab(target_path, dtype=dtype, device=device)
+                      or target_vocab_tensors(target_path, dtype=dtype, device=device))
+    return sources.load_drafter(drafter_path, embed_tokens=embed, lm_head=lm_head, dtype=dtype, device=device,
+                                yarn_attention_factor=yarn_attention_factor)

@@ -79,9 +79,9 @@ def build_server(args: argparse.Namespace, tracer_provider=None):
     graphs = None
     if torch.device(device).type == "cuda" and not args.eager:
         from ddtree.engine.draft_runner import DraftGraphs, draft_buckets
-        from ddtree.models.config import TargetConfig
+        from ddtree.models import sources
 
-        context = TargetConfig.from_pretrained(args.target).max_position_embeddings
+        context = sources.target_config(args.target).max_position_embeddings
         graphs = DraftGraphs(model, cache, draft_buckets(args.max_batch, context, args.page_size,
                                                          args.graph_max_context), top_k=args.graph_top_k)
     servicer = DrafterServicer(model, cache, transport,

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -11,6 +10,7 @@ from ddtree.engine.backends import LocalDrafter, LocalTree
 from ddtree.engine.engine import Engine, EngineConfig
 from ddtree.engine.runner import GraphBuckets
 from ddtree.engine.target import LocalTarget
+from ddtree.models import sources
 from ddtree.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -51,9 +51,7 @@ class ModelSetup:
 
 def feature_layers(setup: ModelSetup) -> tuple[int, ...]:
     if setup.drafter:
-        from ddtree.models.dflash_config import DFlashConfig
-
-        return DFlashConfig.from_pretrained(setup.drafter).target_layer_ids
+        return sources.drafter_config(setup.drafter).target_layer_ids
     return tuple(setup.drafter_layer_ids)
 
 
@@ -66,9 +64,7 @@ def graph_buckets(setup: ModelSetup, config: EngineConfig) -> GraphBuckets | Non
         return setup.graph_buckets
     block = setup.draft_block_size
     if setup.drafter:
-        from ddtree.models.dflash_config import DFlashConfig
-
-        block = DFlashConfig.from_pretrained(setup.drafter).block_size
+        block = sources.drafter_config(setup.drafter).block_size
     return GraphBuckets.default(config.scheduler.max_running, config.budget.max_budget, block)
 
 
@@ -81,13 +77,16 @@ def load_target(setup: ModelSetup, config: EngineConfig, process_group=None) -> 
 
 
 def local_drafter(setup: ModelSetup, target: LocalTarget, config: EngineConfig) -> LocalDrafter:
-    from ddtree.models.dflash import DFlashDrafter, DrafterContextCache
+    from ddtree.models.dflash import DrafterContextCache
 
     model = target.model
     if model.tp.enabled:
         raise ValueError("an in-process drafter needs --tp 1 (use the drafter service with tensor parallelism)")
-    drafter = DFlashDrafter.from_pretrained(setup.drafter, embed_tokens=model.embed_tokens, lm_head=model.lm_head,
-                                            dtype=model.dtype, device=model.device)
+    # a synthetic target is one rank's vocabulary shard: the drafter gets its own whole vocabulary
+    embed, head = (sources.synthetic_vocab(setup.target, dtype=model.dtype, device=model.device)
+                   or (model.embed_tokens, model.lm_head))
+    drafter = sources.load_drafter(setup.drafter, embed_tokens=embed, lm_head=head, dtype=model.dtype,
+                                   device=model.device)
     cache = DrafterContextCache(drafter.config, num_pages=config.scheduler.num_pages,
                                 page_size=config.scheduler.page_size, device=model.device, dtype=model.dtype)
     graphs = None
@@ -96,7 +95,7 @@ def local_drafter(setup: ModelSetup, target: LocalTarget, config: EngineConfig) 
 
         graphs = DraftGraphs(drafter, cache, draft_buckets(config.scheduler.max_running, target.max_context,
                                                            config.scheduler.page_size), top_k=config.max_top_k)
-    return LocalDrafter(drafter, cache, name=Path(setup.drafter).name, graphs=graphs)
+    return LocalDrafter(drafter, cache, name=sources.name(setup.drafter), graphs=graphs)
 
 
 def tree_backend(setup: ModelSetup) -> str:
@@ -122,7 +121,7 @@ def build_local_engine(setup: ModelSetup, config: EngineConfig = EngineConfig(),
     target = target or load_target(setup, config)
     if drafter is None and setup.drafter:
         drafter = local_drafter(setup, target, config)
-    tokenizer = load_tokenizer(setup.target, target.vocab_size)
+    tokenizer = load_tokenizer(sources.checkpoint_dir(setup.target), target.vocab_size)
     local_tree = LocalTree(tree_backend(setup))
     return Engine(target, tokenizer, config, drafter=drafter, tree=tree or local_tree, local_tree=local_tree,
                   tracer=tracer, on_fatal=on_fatal)

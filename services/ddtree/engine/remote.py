@@ -48,9 +48,9 @@ def connect_drafter(endpoint: str, transport, *, drafter_dir: str, target, wait_
                     rpc_style: str = "stream"):
     """A RemoteDrafter attached to the drafter service at `endpoint` (waits for it up to wait_s)."""
     from ddtree.drafter.client import RemoteDrafter
-    from ddtree.models.dflash_config import DFlashConfig
+    from ddtree.models import sources
 
-    cfg = DFlashConfig.from_pretrained(drafter_dir)
+    cfg = sources.drafter_config(drafter_dir)
     if cfg.feature_width != target.feature_width:
         raise ValueError(f"drafter {drafter_dir} expects {cfg.feature_width}-wide features, the target gives "
                          f"{target.feature_width}")
@@ -58,7 +58,7 @@ def connect_drafter(endpoint: str, transport, *, drafter_dir: str, target, wait_
     wait_serving(endpoint, f"drafter at {endpoint}", wait_s)
     return RemoteDrafter(traced_channel(endpoint), transport, block_size=cfg.block_size, vocab_size=cfg.vocab_size,
                          feature_width=cfg.feature_width, feature_dtype=target.model.dtype,
-                         name=f"remote:{os.path.basename(os.path.normpath(drafter_dir))}", rpc_style=rpc_style)
+                         name=f"remote:{sources.name(os.path.normpath(drafter_dir))}", rpc_style=rpc_style)
 
 
 TREE_INPUT_REGION = "engine/tree_inputs"

@@ -65,10 +65,10 @@ class LocalTarget:
              max_context: int | None = None, feature_layers: Sequence[int] = (), process_group=None,
              graph_buckets: GraphBuckets | None = None) -> "LocalTarget":
         """graph_buckets: capture CUDA graphs of the verify for these buckets (CUDA)."""
-        from ddtree.models import TargetModel
+        from ddtree.models import sources
 
-        model = TargetModel.from_pretrained(path, dtype=dtype, device=device, process_group=process_group,
-                                            feature_layers=feature_layers)
+        model = sources.load_target(path, dtype=dtype, device=device, process_group=process_group,
+                                    feature_layers=feature_layers)
         resident = sum(p.numel() * p.element_size() for p in model.parameters())
         log.info("target weights: %s dense linears, %s routed experts; %.2f GiB on this rank",
                  model.formats.dense, model.formats.experts, resident / 2**30)
@@ -77,7 +77,7 @@ class LocalTarget:
         graphs = None
         if graph_buckets is not None and model.device.type == "cuda":  # followers: runner.follow_graphs
             graphs = VerifyGraphs(model, graph_buckets, max_context=ctx)
-        return cls(model, name=Path(path).name, max_context=ctx, graphs=graphs)
+        return cls(model, name=sources.name(path), max_context=ctx, graphs=graphs)
 
     # ---- TargetRunner ------------------------------------------------------------------------
     def prefill(self, seq_ids, prompts, samplers):

@@ -187,13 +187,15 @@ class TargetModel(nn.Module):
 
     # ---- shared pieces ------------------------------------------------------------------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel lookup: each rank embeds the ids it owns, zeros elsewhere, then all-reduce."""
+        """Vocab-parallel lookup: each rank embeds the ids it owns, zeros elsewhere, then all-reduce.
+        A shard without collectives (`TensorParallel.communicate` False: a one-rank stand-in) looks
+        every id up in its own rows, id modulo the shard, in place of the all-reduce's result."""
         local = ids - self.vocab_start
+        if not self.tp.enabled:
+            return F.embedding(local.remainder(self.vocab_local), self.embed_tokens)
         owned = (local >= 0) & (local < self.vocab_local)
         x = F.embedding(local.clamp(0, self.vocab_local - 1), self.embed_tokens)
-        if self.tp.enabled:
-            x = self.tp.all_reduce(x * owned.unsqueeze(-1).to(x.dtype))
-        return x
+        return self.tp.all_reduce(x * owned.unsqueeze(-1).to(x.dtype))
 
     def _check_ids(self, ids: torch.Tensor, what: str) -> None:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):

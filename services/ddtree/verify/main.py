@@ -7,7 +7,9 @@
 are the drafter's context). Without --drafter-endpoint the drafter runs in this process (TP 1);
 with it, the drafter service at that address is used over the tensor transport. Without
 --treebuild-endpoint trees are built in process. The public API listens on 127.0.0.1:50051 unless
---host/--port say otherwise, with TLS when --tls-cert and --tls-key are given.
+--host/--port say otherwise, with TLS when --tls-cert and --tls-key are given. SIGTERM drains:
+new requests are refused, running streams finish within --drain-s, the rest end with UNAVAILABLE;
+then the peers are detached, the shared memory freed and "verify stopped" logged.
 """
 from __future__ import annotations
 
@@ -59,6 +61,13 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"public API port (default {DEFAULT_PORT}; 0 = any)")
     n.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
     n.add_argument("--tls-key", default=None, help="PEM private key")
+    n.add_argument("--metrics-port", type=int, default=None,
+                   help="serve this service's Prometheus /metrics on --host at this port (0 = any free port; "
+                        "default: none; the HTTP front shows them too)")
+    n.add_argument("--drain-s", type=float, default=30.0,
+                   help="at SIGTERM: new requests are refused (UNAVAILABLE) and running streams get this long to "
+                        "finish; each one still running then ends with UNAVAILABLE naming the drain timeout "
+                        "(default 30)")
     s = p.add_argument_group("scheduling")
     s.add_argument("--max-running", type=int, default=16, help="requests decoded together (default 16)")
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests before RESOURCE_EXHAUSTED (default 64)")
@@ -152,6 +161,8 @@ def serve(args, provider, log: logging.Logger) -> int:
 
     if args.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    if args.drain_s < 0:
+        raise ValueError(f"--drain-s must be >= 0, got {args.drain_s}")
     if (args.tls_cert is None) != (args.tls_key is None):  # before loading anything
         raise ValueError("--tls-cert and --tls-key go together")
     if args.drafter_endpoint and not args.drafter:
@@ -164,10 +175,10 @@ def serve(args, provider, log: logging.Logger) -> int:
                        max_context=args.max_context, tree_backend=args.tree_backend, eager=args.eager,
                        graph_buckets=explicit_buckets(args, config))
     if args.drafter_endpoint:  # remote drafter: only its feature layers and block matter here
-        from ddtree.models.dflash_config import DFlashConfig
+        from ddtree.models import sources
 
         setup = dataclasses.replace(setup, drafter=None, drafter_layer_ids=feature_layers(setup),
-                                    draft_block_size=DFlashConfig.from_pretrained(args.drafter).block_size)
+                                    draft_block_size=sources.drafter_config(args.drafter).block_size)
     server = GrpcServer(ServerConfig(name="verify", host=args.host, port=args.port, tls_cert=args.tls_cert,
                                      tls_key=args.tls_key, max_workers=handler_threads(args),
                                      rpcs_per_peer=None), provider)  # public clients carry no peer id
@@ -214,8 +225,30 @@ def serve(args, provider, log: logging.Logger) -> int:
     engine = build_local_engine(setup, config, target=target, drafter=drafter, tree=tree, on_fatal=on_fatal)
     block_size = engine.drafter.block_size if engine.drafter is not None else 0
     drafter_name = os.path.basename(os.path.normpath(args.drafter)) if args.drafter else ""
-    server.add(generation_pb2_grpc.add_GenerationServicer_to_server,
-               GenerationServicer(engine, drafter_name=drafter_name, block_size=block_size), "ddtree.v1.Generation")
+    servicer = GenerationServicer(engine, drafter_name=drafter_name, block_size=block_size)
+    server.add(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, "ddtree.v1.Generation")
+
+    def drain() -> None:  # SIGTERM: no new requests, running ones finish up to --drain-s, then end
+        server.set_serving(False)
+        left = servicer.drain(args.drain_s)
+        if left:
+            log.warning("verify: %d streams still running after the %gs drain timeout; ending them", left,
+                        args.drain_s, extra={"streams": left})
+        engine.stop()  # what is left finishes with UNAVAILABLE "server shutting down: ... drain timeout"
+        servicer.wait_finished(2.0)  # their final statuses go out before the server stops
+
+    def release() -> None:  # after the gRPC server stopped, before "verify stopped"
+        engine.stop()
+        for backend in (drafter, tree):
+            if backend is not None and hasattr(backend, "close"):
+                backend.close()
+        if transport is not None:
+            transport.close()
+        if supervisor is not None:
+            if engine.fatal is None:
+                target.model.stop_followers()
+            supervisor.stop()
+    server.when_stopped(release)
     port = server.start()
     engine.start()
     if args.warmup == "on" or (args.warmup == "auto" and device.startswith("cuda")):
@@ -225,20 +258,16 @@ def serve(args, provider, log: logging.Logger) -> int:
         log.info("warm-up: %d requests in %.1f s%s", report.requests, report.seconds,
                  f"; errors: {'; '.join(report.errors)}" if report.errors else "",
                  extra={"warmup_s": round(report.seconds, 3), "warmup_errors": len(report.errors)})
-    server.install_signal_handlers()  # in-flight streams get the grace period, then the engine stops
+    if args.metrics_port is not None:  # after the warm-up: its requests are not counted
+        from ddtree.telemetry.metrics import EngineMetrics, serve_metrics
+
+        engine.metrics = EngineMetrics.for_engine(engine)
+        _, metrics_port = serve_metrics(engine.metrics, args.host, args.metrics_port)
+        print(f"verify metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
+    server.install_signal_handlers(on_stop=drain)
     server.set_serving(True)
     log.info("verify serving on %s:%d: target %s (tp %d), modes %s", args.host, port, target.name, target.tp_size,
              [m.value for m in engine.modes], extra={"port": port, "tp": target.tp_size})
     print(f"verify listening on {args.host}:{port}", flush=True)
     server.wait()
-    engine.stop()
-    for backend in (drafter, tree):
-        if backend is not None and hasattr(backend, "close"):
-            backend.close()
-    if transport is not None:
-        transport.close()
-    if supervisor is not None:
-        if engine.fatal is None:
-            target.model.stop_followers()
-        supervisor.stop()
     return 1 if engine.fatal is not None else 0

@@ -1,0 +1,400 @@
+"""One Kimi-K2 TP8 rank on one GPU: where a decode step's time goes at the mission's scale.
+
+The target is `synthetic:kimi-k2-tp8-rank[:FORMAT]` (rank 0 of 8: 61 layers, 8 heads, 48 of 384
+experts, the vocab shard; random weights in the storage format; all-reduces skipped, their cost
+estimated separately) and the drafter `synthetic:kimi-k2.5-dflash` (~3.5 B parameters, block 8,
+its own 163840-row embedding and LM head), both in this process (the in-process engine: draft,
+tree build and accept on this GPU, no transport). Random weights accept nothing, so every step
+is one token; the step's cost is what is measured, and decode speed is projected with acceptance
+lengths taken from elsewhere (stated). Parts:
+
+  verify   the verify graph replayed alone at batch x rows (root included): GPU ms, the rank's
+           weight-read floor (its bytes at these rows: attention, router, shared expert, dense
+           MLP and LM head shard, plus the local experts the rows hit, over the copy bandwidth
+           measured here), distinct local experts hit per MoE layer, with the random router and
+           (--routers) a Zipf-skewed one; the top kernels of the 1 x 1 replay.
+  engine   ar, chain (block 8) and ddtree at --budgets, at --concurrency, every step traced:
+           agg and per-request tok/s, ms per step, and the step's attribution by component
+           (draft, tree_build, verify, accept, commit, other; GPU from CUDA events vs host).
+
+    python benchmarks/bench_kimi_rank.py --out benchmarks/results/h200/kimi_rank_step.txt \
+        [--format int4] [--parts verify,engine] [--concurrency 1,4,16,64] [--budgets 8,16,32,64]
+
+The file ends with
+`summary: verify_share_c1=.. draft_share_c1=.. sidecar_share_c1=.. ar_step_over_floor_c1=..
+ draft_over_floor_c1=.. step_ms_c1_ddtree16=.. best_budget_c1=.. best_budget_c64=..`
+(shares of the ddtree-16 step at concurrency 1, in process: sidecar = tree_build + accept + other,
+transport 0; best budget = the ddtree budget with the most projected tok/s per level).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ddtree.engine.budget import BudgetPolicy
+from ddtree.engine.engine import EngineConfig, Usage
+from ddtree.engine.loader import ModelSetup, build_local_engine
+from ddtree.engine.request import validate_request
+from ddtree.engine.runner import GraphBuckets
+from ddtree.engine.scheduler import SchedulerConfig
+from ddtree.engine.target import LocalTarget
+from ddtree.models import sources, synthetic
+from ddtree.models.dflash import DFlashDrafter
+from ddtree.models.layers import MoE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step_graphs import copy_bandwidth, event_ms, kernel_table, random_trees  # noqa: E402
+
+DRAFTER = "synthetic:kimi-k2.5-dflash"
+VERIFY_ROWS = ((1, 1), (1, 9), (1, 17), (1, 33), (1, 65), (4, 17), (16, 1), (16, 17), (64, 1), (64, 9))
+PREFIX = 512
+# All-reduce estimate (not measured: one GPU): NCCL on 8 GPUs of one NVSwitch host, time = latency
+# + bytes x 2(N-1)/N / bus bandwidth. Latency ~15 us for small messages and bus bandwidth ~360 GB/s
+# are the orders nccl-tests' all_reduce_perf reports on 8x H100/H200 NVSwitch hosts
+# (https://github.com/NVIDIA/nccl-tests); override with --allreduce-us / --allreduce-busbw.
+ALLREDUCE_US, ALLREDUCE_BUSBW = 15.0, 360e9
+# Acceptance lengths for the projections: the bundled pair's measured ones (step_graphs.txt, in-process
+# engine, concurrency 1: ddtree budget-policy default 5.57, chain 3.40) and the published
+# Kimi-K2.5-DFlash chain figure (~5.3 on HumanEval at block 8, z-lab model card).
+TAU_BUNDLED = {"ar": 1.0, "chain": 3.40, "ddtree": 5.57}
+TAU_PUBLISHED_CHAIN = 5.3
+
+
+def el(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
+
+
+class Report:
+    def __init__(self, path: str):
+        self.path, self.lines = Path(path), []
+
+    def __call__(self, *lines: str) -> None:
+        for line in lines:
+            self.lines.append(line)
+            print(line, flush=True)
+        self.write()  # a run cut short keeps what it measured
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("\n".join(self.lines) + "\n")
+
+
+def allreduce_ms(tokens: int, hidden: int, layers: int, args) -> float:
+    size = tokens * hidden * 2
+    one = args.allreduce_us * 1e-6 + size * 2 * 7 / 8 / args.allreduce_busbw
+    return 2 * layers * one * 1e3
+
+
+# ---- the rank's weight bytes and the experts its rows hit -------------------------------------------
+class RankBytes:
+    """Bytes the rank reads per step: everything but the routed experts, plus hit x per expert."""
+
+    def __init__(self, model):
+        moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+        self.moe_layers = len(moes)
+        self.expert = (sum(el(p) for p in moes[0].w13.parameters()) + sum(el(p) for p in moes[0].w2.parameters())) \
+            // moes[0].num_local
+        routed = sum(sum(el(p) for p in m.w13.parameters()) + sum(el(p) for p in m.w2.parameters()) for m in moes)
+        # the embedding is read a row per token: not in the floor
+        self.fixed = sum(el(p) for p in model.parameters()) - routed - el(model.embed_tokens)
+        if model.lm_head is model.embed_tokens:
+            self.fixed += el(model.lm_head)
+
+    def floor_ms(self, hit_per_layer: float, bandwidth: float) -> float:
+        return (self.fixed + self.moe_layers * hit_per_layer * self.expert) / bandwidth * 1e3
+
+
+class HitRecorder:
+    """Distinct local experts the routed ids of each MoE layer hit (wraps `route`)."""
+
+    def __init__(self, model):
+        self.moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+        self.ids: list[torch.Tensor] = []
+
+    def __enter__(self):
+        for m in self.moes:
+            route = m.route
+
+            def wrapped(x, route=route):
+                weights, ids = route(x)
+                self.ids.append(ids)
+                return weights, ids
+            m.route = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.moes:
+            del m.route  # back to the class's method
+
+    def mean_hit(self) -> float:
+        counts = [int(torch.unique(i[(i >= m.first_expert) & (i < m.first_expert + m.num_local)]).numel())
+                  for i, m in zip(self.ids, self.moes)]
+        return statistics.mean(counts)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def gpu_gib(device: str) -> float:
+    return torch.cuda.memory_allocated() / 2**30 if device == "cuda" else float("nan")
+
+
+def load_target(fmt: str, router: str, buckets: GraphBuckets, args, report: Report) -> LocalTarget:
+    name = f"synthetic:kimi-k2-tp8-rank:{fmt}" + (":zipf" if router == "zipf" else "")
+    t0 = time.perf_counter()
+    target = LocalTarget.load(name, dtype=torch.bfloat16 if args.device == "cuda" else torch.float32,
+                              device=args.device, num_pages=args.num_pages, page_size=64, max_context=4096,
+                              feature_layers=sources.drafter_config(DRAFTER).target_layer_ids, graph_buckets=buckets)
+    sync(args.device)
+    graphs = len(target.graphs.graphs) if target.graphs is not None else 0
+    report(f"# {name}: built and {graphs} verify graphs captured in {time.perf_counter() - t0:.1f} s; "
+           f"weights {synthetic.weight_bytes(target.model) / 2**30:.1f} GiB; GPU memory allocated "
+           f"{gpu_gib(args.device):.1f} GiB")
+    return target
+
+
+# ---- verify part --------------------------------------------------------------------------------
+def part_verify(report: Report, target: LocalTarget, router: str, bandwidth: float, args, first: bool) -> dict:
+    model, graphs = target.model, target.graphs
+    rank = RankBytes(model)
+    cfg = model.cfg
+    if first:
+        report("", f"## verify graph replay alone, prefix {PREFIX} per request; copy bandwidth "
+                   f"{bandwidth / 1e12:.2f} TB/s (read + write of a 1 GiB copy)",
+               f"# floor = (the rank's weights but the routed experts: {rank.fixed / 2**30:.2f} GiB, incl. the LM head "
+               f"shard; + local experts hit x {rank.expert / 2**20:.1f} MiB x {rank.moe_layers} MoE layers) / bandwidth;"
+               " all-reduce = the estimate in the header, 2 per layer; KV reads not in the floor",
+               f"{'router':>6} {'batch':>5} {'rows':>4} {'experts':>7} {'floor_ms':>8} {'gpu_ms':>8} {'gpu/floor':>9} "
+               f"{'allred_ms':>9}")
+    gen = torch.Generator().manual_seed(0)
+    seqs = list(range(10_000, 10_000 + max(b for b, _ in VERIFY_ROWS)))
+    for s in seqs:
+        model.cache.add_sequence(s)
+        model.cache.reserve([s], PREFIX + 128)
+        model.cache.advance(s, PREFIX)
+    out = {}
+    for b, t in VERIFY_ROWS:
+        if (b, t) not in graphs.graphs:
+            continue
+        root, tokens, depths, mask = random_trees(b, t, model.vocab_local, gen)
+        ids = seqs[:b]
+        graphs.verify(ids, root, tokens, depths, mask)  # fills the inputs of bucket (b, t)
+        gpu_ms = event_ms(graphs.graphs[(b, t)].replay, args.iters)
+        with HitRecorder(model) as rec:
+            model.verify(ids, root, tokens, depths, mask)
+        hit = rec.mean_hit()
+        floor = rank.floor_ms(hit, bandwidth)
+        ar = allreduce_ms(b * t, cfg.hidden_size, cfg.num_hidden_layers, args)
+        out[(b, t)] = (gpu_ms, floor, hit)
+        report(f"{router:>6} {b:>5} {t:>4} {hit:>7.1f} {floor:>8.3f} {gpu_ms:>8.3f} {gpu_ms / floor:>9.2f} {ar:>9.3f}")
+    if router == "random":
+        root, tokens, depths, mask = random_trees(1, 1, model.vocab_local, gen)
+        graphs.verify(seqs[:1], root, tokens, depths, mask)
+        report("# batch 1 x rows 1: top kernels of one replay (61 layers)", *kernel_table(graphs.graphs[(1, 1)].replay))
+    for s in seqs:
+        model.cache.release(s)
+    return out
+
+
+# ---- engine part --------------------------------------------------------------------------------
+def cells(args):
+    for mode in args.modes:
+        for budget in (args.budgets if mode == "ddtree" else [0]):
+            for conc in args.concurrency:
+                yield mode, budget, conc
+
+
+def run_cell(engine, mode: str, budget: int, conc: int, args) -> dict:
+    vocab = engine.target.model.vocab_local
+    label = f"{mode}{budget or ''}-c{conc}"
+    usages: list[Usage] = []
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:  # one client
+        try:
+            prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(i)).tolist()
+            spec = validate_request(prompt, limits=engine.limits, max_tokens=args.max_tokens, ignore_eos=True,
+                                    mode=mode, budget=budget, available_modes=engine.modes,
+                                    client_request_id=f"{label}-{i}")
+            usages.append([e for e in engine.submit(spec) if isinstance(e, Usage)][0])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(conc)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    tokens = sum(u.completion_tokens for u in usages)
+    steps = statistics.mean(u.steps for u in usages)
+    return {"label": label, "mode": mode, "budget": budget, "conc": conc, "tokens": tokens, "wall": wall,
+            "agg": tokens / wall, "per_req": statistics.mean(u.completion_tokens for u in usages) / wall,
+            "steps": steps, "step_ms": wall * 1e3 / max(steps, 1),
+            "acc": statistics.mean(u.mean_acceptance_length for u in usages)}
+
+
+def part_engine(report: Report, target: LocalTarget, args) -> tuple[list[dict], dict]:
+    from ddtree.telemetry import spans as S
+    from ddtree.telemetry.setup import setup_tracing
+    from ddtree.telemetry.trace_report import format_table, load_otlp_file, step_breakdowns, summarize
+
+    trace_file = Path("/tmp/bench_kimi_rank_spans.jsonl")
+    trace_file.unlink(missing_ok=True)
+    os.environ["DDTREE_TRACE_FILE"] = str(trace_file)
+    provider = setup_tracing("bench-kimi-rank", export="thread")
+    max_conc = max(args.concurrency)
+    config = EngineConfig(scheduler=SchedulerConfig(max_running=max_conc, max_queue=2 * max_conc,
+                                                    num_pages=args.num_pages, page_size=64),
+                          # random weights accept ~nothing: no fallback to ar; every budget as asked
+                          budget=BudgetPolicy(tokens_per_step=max_conc * (max(args.budgets) + 1), max_budget=max(args.budgets),
+                                              ar_below_acceptance=0.0),
+                          max_tokens_limit=4096, max_top_k=max(args.budgets))
+    setup = ModelSetup(target=str(target.name), drafter=DRAFTER, device=args.device, max_context=target.max_context)
+    t0 = time.perf_counter()
+    engine = build_local_engine(setup, config, target=target, tracer=S.get_tracer(provider))
+    sync(args.device)
+    report("", f"# engine: drafter {DRAFTER} loaded and its graphs captured in {time.perf_counter() - t0:.1f} s; "
+               f"GPU memory allocated {gpu_gib(args.device):.1f} GiB")
+    engine.start()
+    results = []
+    try:
+        for mode in args.modes:  # warm-up: one request per mode, not traced apart (label "warm")
+            run_cell(engine, mode, min(args.budgets) if mode == "ddtree" else 0, 1, args)
+        report("", f"## in-process engine: {args.max_tokens} tokens per request (ignore_eos), prompts of "
+                   f"{args.prompt_tokens} random ids; step_ms = wall / steps per request (prefill included)",
+               f"{'cell':>12} {'conc':>4} {'agg_tok/s':>9} {'req_tok/s':>9} {'tokens':>6} {'wall_s':>6} "
+               f"{'steps':>5} {'step_ms':>8} {'acc_len':>7}")
+        for mode, budget, conc in cells(args):
+            r = run_cell(engine, mode, budget, conc, args)
+            results.append(r)
+            report(f"{r['label']:>12} {conc:>4} {r['agg']:>9.1f} {r['per_req']:>9.2f} {r['tokens']:>6} "
+                   f"{r['wall']:>6.2f} {r['steps']:>5.0f} {r['step_ms']:>8.2f} {r['acc']:>7.2f}")
+    finally:
+        engine.stop()
+        provider.shutdown()
+        os.environ.pop("DDTREE_TRACE_FILE")
+    steps = step_breakdowns(load_otlp_file(str(trace_file)), ("level",))
+    reports = summarize(steps, with_all=False)
+    report("", "## the steps above, traced: ms per step by component (gpu_ms: CUDA events around a "
+               "component's launches; host_ms: the rest of its wall time); groups = cell",
+           *format_table(reports, ("cell",)).splitlines())
+    return results, {r.group: r for r in reports}
+
+
+# ---- projections and summary --------------------------------------------------------------------
+def projections(report: Report, results: list[dict], traced: dict) -> dict:
+    report("", "## projected decode speed = tau x 1000 / step_ms, step_ms = the traced decode step's mean "
+               "(PROJECTIONS: random weights accept nothing here)",
+           "# tau (a): the bundled pair's measured acceptance at concurrency 1 (ar 1, chain 3.40, ddtree 5.57, the "
+           "budget policy's default trees); (b) chain: Kimi-K2.5-DFlash's published ~5.3 (HumanEval, block 8); "
+           "ddtree (b) is not projected (no published tree figure)",
+           f"{'cell':>12} {'step_ms':>8} {'req_tok/s(a)':>12} {'agg_tok/s(a)':>12} {'req_tok/s(b)':>12}")
+    best: dict[int, tuple[float, int]] = {}
+    for r in results:
+        tau = TAU_BUNDLED[r["mode"]]
+        step = traced[r["label"]].step_mean_ms if r["label"] in traced else r["step_ms"]
+        req = tau * 1000 / step
+        b = TAU_PUBLISHED_CHAIN * 1000 / step if r["mode"] == "chain" else float("nan")
+        report(f"{r['label']:>12} {step:>8.2f} {req:>12.1f} {req * r['conc']:>12.1f} {b:>12.1f}")
+        if r["mode"] == "ddtree" and req > best.get(r["conc"], (0.0, 0))[0]:
+            best[r["conc"]] = (req, r["budget"])
+    report("# published decode on 8x H200 for comparison: SGLang DeepSeek-R1 FP8, 12.8 ms per token at "
+           "concurrency 8 (see ../shared/DESIGN.md); note the budget that projects best is only as good as tau (a)")
+    return {c: b for c, (_, b) in best.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--out", required=True, help="result file")
+    ap.add_argument("--format", default="int4", choices=sorted(synthetic.FORMATS), help="the rank's weight storage")
+    ap.add_argument("--parts", default="verify,engine", help="comma list of verify, engine")
+    ap.add_argument("--routers", default="random,zipf", help="routers of the verify part (engine: random)")
+    ap.add_argument("--modes", default="ar,chain,ddtree", type=lambda s: s.split(","))
+    ap.add_argument("--concurrency", default="1,4,16,64", type=lambda s: [int(v) for v in s.split(",")])
+    ap.add_argument("--budgets", default="8,16,32,64", type=lambda s: [int(v) for v in s.split(",")])
+    ap.add_argument("--max-tokens", type=int, default=24, help="tokens per request")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--num-pages", type=int, default=2048, help="KV pages of 64 tokens")
+    ap.add_argument("--iters", type=int, default=10, help="replays per verify row")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu runs the engine part's logic at test shapes")
+    ap.add_argument("--allreduce-us", type=float, default=ALLREDUCE_US, help="estimated all-reduce latency")
+    ap.add_argument("--allreduce-busbw", type=float, default=ALLREDUCE_BUSBW, help="estimated bus bandwidth, B/s")
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    commit = os.environ.get("REPO_COMMIT", "unknown")
+    report = Report(args.out)
+    report(f"# bench_kimi_rank on {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'} (torch {torch.__version__}), commit {commit}, "
+           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+           "# command: python " + " ".join(sys.argv),
+           f"# all-reduce: ESTIMATE, not measured ({args.allreduce_us:.0f} us + bytes x 2(N-1)/N / "
+           f"{args.allreduce_busbw / 1e9:.0f} GB/s per all-reduce, 2 per layer; nccl-tests orders for 8x H100/H200 "
+           "NVSwitch, https://github.com/NVIDIA/nccl-tests)")
+    bandwidth = copy_bandwidth() if args.device == "cuda" else 1e10  # CPU: a smoke run of the logic only
+    node_sizes = sorted({t for _, t in VERIFY_ROWS} | {1, 8} | {b + 1 for b in args.budgets})
+    batches = sorted({b for b, _ in VERIFY_ROWS} | set(args.concurrency))
+    buckets = GraphBuckets(tuple(batches), tuple(node_sizes))
+    verify_rows: dict = {}
+    routers = [r for r in args.routers.split(",") if r != "random"] + ["random"]  # the engine's router last
+    target = None
+    for router in routers if "verify" in parts else ["random"]:
+        if target is not None:
+            del target
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+        target = load_target(args.format, router, buckets, args, report)
+        if "verify" in parts:
+            verify_rows[router] = part_verify(report, target, router, bandwidth, args, first=not verify_rows)
+    summary = {}
+    rank = RankBytes(target.model)
+    cfg = target.model.cfg
+    ar_floor = rank.floor_ms(verify_rows.get("random", {}).get((1, 1), (0, 0, 1.0))[2], bandwidth) \
+        + allreduce_ms(1, cfg.hidden_size, cfg.num_hidden_layers, args)
+    drafter_bytes = None
+    if "engine" in parts:
+        results, traced = part_engine(report, target, args)
+        best = projections(report, results, traced)
+        dcfg = sources.drafter_config(DRAFTER)
+        with torch.device("meta"):  # the drafter's bytes, from its shapes
+            embed = torch.empty(dcfg.vocab_size, dcfg.hidden_size, dtype=torch.bfloat16)
+            draft_model = DFlashDrafter(dcfg, embed_tokens=embed, lm_head=embed).to(torch.bfloat16)
+        drafter_bytes = synthetic.weight_bytes(draft_model) + el(embed)  # own weights + the LM head
+        draft_floor = drafter_bytes / bandwidth * 1e3
+        c1 = traced.get("ddtree16-c1")
+        comps = {row.component: row for row in c1.rows} if c1 else {}
+        step = c1.step_mean_ms if c1 else float("nan")
+        share = lambda *names: sum(comps[n].share for n in names if n in comps)  # noqa: E731
+        ar_c1 = traced.get("ar-c1")
+        summary = {
+            "verify_share_c1": share("verify"), "draft_share_c1": share("draft"),
+            "sidecar_share_c1": share("tree_build", "accept", "transport", "other"),
+            "ar_step_over_floor_c1": (ar_c1.step_mean_ms / ar_floor) if ar_c1 else float("nan"),
+            "draft_over_floor_c1": (comps["draft"].mean_ms / draft_floor) if "draft" in comps else float("nan"),
+            "step_ms_c1_ddtree16": step,
+            "best_budget_c1": best.get(1, 0), "best_budget_c64": best.get(64, 0),
+        }
+        report("", f"# floors: ar step at concurrency 1 = {ar_floor:.3f} ms (the rank's bytes at 1 token incl. "
+                   f"the LM head shard, + the all-reduce estimate); draft = {drafter_bytes / 2**30:.2f} GiB "
+                   f"(its weights + the 163840-row LM head, drafter on its own GPU) / bandwidth = {draft_floor:.3f} ms")
+    if summary:
+        report("", "summary: " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                        for k, v in summary.items()))
+    report.write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
