@@ -12,9 +12,10 @@ so unary calls and health checks queued until they timed out. `RpcLimits` bounds
   opens a new one when it needs it: ddtree.step_stream.StepStream does so by itself).
 
 An RPC over a limit is answered RESOURCE_EXHAUSTED at once, naming the limit. `end()` (the server
-is stopping) refuses new RPCs with UNAVAILABLE, cancels the request streams waiting for a message
-and the server streams, and makes a request stream that is busy end after its reply (the caller
-sees the stream end unanswered, as for a unary call a stopping server refuses).
+is stopping) refuses new RPCs with UNAVAILABLE, cancels the request streams waiting for a message,
+makes a request stream that is busy end after its reply (the caller sees the stream end
+unanswered, as for a unary call a stopping server refuses) and cancels the server streams that
+have not ended within a second (health Watch would otherwise hold the stop for its grace period).
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ class RpcLimits(grpc.ServerInterceptor):
             raise ValueError(f"idle_s={idle_s} must be > 0 (None: no idle timeout)")
         self.max_rpcs, self.per_peer, self.idle_s = max_rpcs, per_peer, idle_s
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)   # an RPC ended
         self._open: set[_Open] = set()
         self._by_peer: collections.Counter[str] = collections.Counter()
         self._ending = False
@@ -62,12 +64,22 @@ class RpcLimits(grpc.ServerInterceptor):
         with self._lock:
             return len(self._open)
 
-    def end(self) -> None:
-        """The server is stopping: see the module docstring."""
+    def end(self, settle_s: float = 1.0) -> None:
+        """The server is stopping: see the module docstring. Server streams get `settle_s` to end
+        by themselves first (one whose handler is sending its last status is not cut off)."""
         with self._lock:
             self._ending = True
-            idle = [o for o in self._open if o.waiting_since is not None or not o.streams_requests]
-        for o in idle:
+            waiting = [o for o in self._open if o.waiting_since is not None]
+        self._cancel(waiting)
+        with self._changed:
+            self._changed.wait_for(lambda: all(o.streams_requests for o in self._open), settle_s)
+            server_streams = [o for o in self._open if not o.streams_requests]
+        self._cancel(server_streams)
+
+    def _cancel(self, rpcs: list[_Open]) -> None:
+        if rpcs:
+            log.info("stopping: cancelling %d open streams (%s)", len(rpcs), ", ".join(sorted({o.method for o in rpcs})))
+        for o in rpcs:
             o.context.cancel()
 
     # -- the interceptor --------------------------------------------------------------------------
@@ -147,6 +159,7 @@ class RpcLimits(grpc.ServerInterceptor):
                 self._by_peer[entry.peer] -= 1
                 if not self._by_peer[entry.peer]:
                     del self._by_peer[entry.peer]
+                self._changed.notify_all()
 
     def _requests(self, entry: _Open, requests):
         """The handler's request iterator: records when it waits, ends when the server stops."""

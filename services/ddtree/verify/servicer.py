@@ -3,11 +3,14 @@
 Bad input -> INVALID_ARGUMENT with the validation message; a full queue or a request that can
 never fit -> RESOURCE_EXHAUSTED; client cancellation or an expired deadline -> the engine frees
 the request at once (a callback on the RPC); a failed engine -> INTERNAL with its reason.
+Shutdown (`drain`): new requests -> UNAVAILABLE, running streams finish, up to a drain timeout;
+those the engine then ends -> UNAVAILABLE saying the drain timeout ended them.
 """
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 
 import grpc
@@ -33,8 +36,38 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, engine: Engine, *, drafter_name: str = "", block_size: int = 0):
         self.engine = engine
         self.drafter_name, self.block_size = drafter_name, block_size
+        self._streams = 0                    # Generate streams in progress
+        self._idle = threading.Condition()
+        self._admitting = True
+        self._ended_by = "server shutting down"   # the message of a stream the engine's stop ends
+
+    def drain(self, timeout_s: float) -> int:
+        """Refuses new requests, waits up to `timeout_s` for the running streams to finish and
+        returns how many are still running (the caller then stops the engine, which ends them)."""
+        with self._idle:
+            self._admitting = False
+            self._ended_by = (f"server shutting down: the stream did not finish within the drain timeout "
+                              f"({timeout_s:g}s)")
+            self._idle.wait_for(lambda: self._streams == 0, timeout_s)
+            return self._streams
+
+    def wait_finished(self, timeout_s: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._streams == 0, timeout_s)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        with self._idle:
+            if not self._admitting:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "server shutting down: not accepting new requests")
+            self._streams += 1
+        try:
+            yield from self._generate(request, context)
+        finally:
+            with self._idle:
+                self._streams -= 1
+                self._idle.notify_all()
+
+    def _generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         arrival = time.monotonic()
         try:
             spec = self._spec(request, context, arrival)
@@ -61,7 +94,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if usage.finish_reason is FinishReason.ERROR:
             context.abort(grpc.StatusCode.INTERNAL, usage.error or "generation failed")
         if usage.finish_reason is FinishReason.CANCELLED and usage.error == "server shutting down":
-            context.abort(grpc.StatusCode.UNAVAILABLE, "server shutting down")
+            context.abort(grpc.StatusCode.UNAVAILABLE, self._ended_by)
         yield pb.GenerateChunk(degradation=usage.degradation, usage=pb.Usage(
             prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, steps=usage.steps,
             target_forwards=usage.target_forwards, mean_acceptance_length=usage.mean_acceptance_length,
