@@ -1,7 +1,8 @@
 """ddtree.transport in one process: regions, refs, validation, attach rules, lifetime.
 
-Two Transport objects in one process exchange real shm segments (a process may map its own
-POSIX segment twice); the cross-process and gRPC paths are in test_transport_processes.py.
+Two Transport objects in one process exchange real shm regions (a process may open its own
+memfd again through /proc/self/fd); the cross-process and gRPC paths are in
+test_transport_processes.py, poisoned regions and authentication in test_reliability_*.py.
 """
 from __future__ import annotations
 
@@ -14,12 +15,18 @@ import torch
 from ddtree.transport import (INLINE, SHM, AttachDenied, BadRegionHandle, BadTensorRef, Transport,
                               TransportConfig, TransportUnavailable, UnknownPeer, host_id)
 from ddtree.transport.endpoint import sweep_stale_segments
-from ddtree.transport.memory import ShmMemory
 from ddtree.v1 import tensor_pb2, transport_pb2
 
 
-def _segments_of(pid: int) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith("ddtree-") and f"-{pid}-" in n]
+def _memfds(label: str) -> list[str]:
+    """Our open fds that are ddtree memfds of regions named `label`."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return [link for link in links if link.startswith(f"/memfd:ddtree-{os.getpid()}-{label} ")]
 
 
 @pytest.fixture
@@ -154,8 +161,9 @@ def _handle(producer: Transport, **kw) -> tensor_pb2.RegionHandle:
 
 
 BAD_HANDLES = [
-    (dict(handle=b"../../etc/passwd"), "invalid shm segment name '../../etc/passwd'"),
-    (dict(handle=b"ddtree-1-2-000000000000-gone"), "invalid shm segment name|does not exist"),
+    (dict(handle=b"../../etc/passwd"), "invalid shm handle '../../etc/passwd'"),
+    (dict(handle=b"ddtree-1-2-000000000000-gone"), "invalid shm handle"),
+    (dict(handle=b"memfd:1:2:3:4:5"), "in another pid namespace"),
     (dict(slot_count=0), r"slot_count 0 out of range"),
     (dict(byte_size=1 << 20), "byte_size 1048576 != slot_count \\* slot_bytes"),
     (dict(slot_bytes=7, byte_size=21), "slot_bytes 7 must be a positive multiple of 8"),
@@ -191,7 +199,7 @@ def test_cuda_handle_for_an_invisible_device_is_refused(pair):
 
 def _attach_request(producer: Transport, **kw) -> transport_pb2.AttachRequest:
     fields = dict(peer_id=producer.peer_id, token=producer.token, regions=producer.handles(), host_id=host_id(),
-                  accepted_kinds=[SHM, INLINE])
+                  accepted_kinds=[SHM, INLINE], peer_secret="s" * 32)
     fields.update(kw)
     return transport_pb2.AttachRequest(**fields)
 
@@ -289,18 +297,19 @@ def test_reattach_replaces_the_previous_import(pair):
     del extra
 
 
-def test_close_unlinks_segments_and_sweep_removes_dead_ones():
+def test_close_closes_the_memfds_and_sweep_removes_old_dead_segments():
     t = Transport(TransportConfig(peer_id="x", kind="shm", self_test=False, reap_interval_s=0))
-    t.create_region("a", 2, 4096)
-    assert len(_segments_of(os.getpid())) >= 2
+    label = f"close-{os.urandom(4).hex()}"
+    t.create_region(label, 2, 4096)
+    assert _memfds(label) and not [n for n in os.listdir("/dev/shm") if f"-{os.getpid()}-" in n]
     t.close()
-    assert _segments_of(os.getpid()) == []
-    # a segment named after a dead process of our pid namespace is swept
+    assert _memfds(label) == []
+    # a /dev/shm segment of an older version, named after a dead process of our pid namespace
     dead_pid = 2 ** 22 - 3
-    mem = ShmMemory.create("stale", 64)
-    stale = mem.name.replace(f"-{os.getpid()}-", f"-{dead_pid}-")
-    os.rename(f"/dev/shm/{mem.name}", f"/dev/shm/{stale}")
-    mem.owner = False
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    stale = f"ddtree-{ns}-{dead_pid}-{os.urandom(6).hex()}-stale"
+    with open(f"/dev/shm/{stale}", "wb") as f:
+        f.write(b"\0" * 64)
     assert stale in sweep_stale_segments()
     assert not os.path.exists(f"/dev/shm/{stale}")
 

@@ -109,7 +109,7 @@ def test_refs_are_tiny_and_status_counts_references(link):
     region = link.transport.region("transport/probe")
     ref = region.ref(3, region.view(3, torch.bfloat16, (2, 16, 6 * 7168 // 8), offset=1024))
     assert ref.ByteSize() < 512
-    status = link.stub.Status(transport_pb2.TransportStatusRequest(), timeout=10)
+    status = link.status()
     by_name = {r.name: r for r in status.regions}
     assert by_name["cuda-client/transport/probe"].kind == CUDA_IPC
     assert by_name["transport/probe"].ref_count == 1

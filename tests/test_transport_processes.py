@@ -26,9 +26,16 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64
           torch.uint64]
 
 
-def _segments_of(*pids: int) -> list[str]:
-    return [n for n in os.listdir("/dev/shm")
-            if n.startswith("ddtree-") and any(f"-{pid}-" in n for pid in pids)]
+def _mapped(mapper: int, *producers: int) -> set[str]:
+    """Shm regions (memfd names) of `producers` that process `mapper` still maps."""
+    with open(f"/proc/{mapper}/maps") as f:
+        names = {line.split(None, 5)[-1].strip() for line in f if "/memfd:ddtree-" in line}
+    return {n for n in names if any(n.startswith(f"/memfd:ddtree-{pid}-") for pid in producers)}
+
+
+def _no_named_segments(*pids: int) -> bool:
+    """Nothing named in /dev/shm (shm regions are unnamed memfds; older versions' names had the pid)."""
+    return not [n for n in os.listdir("/dev/shm") if n.startswith("ddtree-") and any(f"-{pid}-" in n for pid in pids)]
 
 
 def _start_server(env, *args, log_path=None):
@@ -280,10 +287,11 @@ def test_every_bad_descriptor_gets_invalid_argument_and_the_server_keeps_serving
     bad_token = transport_pb2.AttachRequest(peer_id="intruder", token="nope", host_id=link.transport.handles()[0].host_id)
     _expect(grpc.StatusCode.PERMISSION_DENIED, "wrong or missing transport token", link._attach, bad_token, timeout=10)
     bad_handle = transport_pb2.AttachRequest(peer_id="intruder", token="tok", host_id=bad_token.host_id,
+                                             peer_secret="x" * 32,
                                              regions=[tensor_pb2.RegionHandle(name="x", kind=SHM, handle=b"/etc/passwd",
                                                                               host_id=bad_token.host_id, slot_count=1,
                                                                               slot_bytes=8, byte_size=8)])
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "invalid shm segment name '/etc/passwd'", link._attach, bad_handle,
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "invalid shm handle '/etc/passwd'", link._attach, bad_handle,
             timeout=10)
     _expect(grpc.StatusCode.PERMISSION_DENIED, "token", link.stub.Detach,
             transport_pb2.DetachRequest(peer_id=link.transport.peer_id, token="nope"), timeout=10)
@@ -323,8 +331,8 @@ def test_a_peer_killed_mid_run_is_reaped_and_the_server_keeps_serving(server, li
     try:
         line = child.stdout.readline().strip()
         assert line == "running", f"client process said {line!r}, exit {child.poll()}"
-        assert "doomed" in link.stub.Status(transport_pb2.TransportStatusRequest(), timeout=10).peers
-        assert len(_segments_of(child.pid)) == 2, _segments_of(child.pid)
+        assert "doomed" in link.status().peers
+        assert len(_mapped(server[0].pid, child.pid)) == 2, _mapped(server[0].pid, child.pid)
         gen = torch.Generator().manual_seed(7)
         child.send_signal(signal.SIGKILL)                     # mid-run, no cleanup of its own
         for step in range(50):                                # the survivor keeps being served meanwhile
@@ -332,13 +340,13 @@ def test_a_peer_killed_mid_run_is_reaped_and_the_server_keeps_serving(server, li
         child.wait(10)
         deadline = time.monotonic() + 30   # the reaper looks every 0.2 s; generous for a loaded CI box
         while time.monotonic() < deadline:
-            status = link.stub.Status(transport_pb2.TransportStatusRequest(), timeout=10)
+            status = link.status()
             if "doomed" not in status.peers:
                 break
             time.sleep(0.1)
         assert list(status.peers) == [link.transport.peer_id], status
         assert not [r for r in status.regions if r.name.startswith("doomed/")]
-        assert _segments_of(child.pid) == []                  # the server unlinked what the dead peer left
+        assert _mapped(server[0].pid, child.pid) == set()     # the server let go of the dead peer's memory
         for step in range(50):
             _step(link, gen, step)
     finally:
@@ -348,7 +356,7 @@ def test_a_peer_killed_mid_run_is_reaped_and_the_server_keeps_serving(server, li
 
 
 def test_status_lists_regions_with_reference_counts(link):
-    status = link.stub.Status(transport_pb2.TransportStatusRequest(), timeout=10)
+    status = link.status()
     by_name = {r.name: r for r in status.regions}
     own = by_name["transport/probe"]
     assert own.owned and own.ref_count == len(status.peers) >= 1 and own.slot_count == 4
@@ -361,7 +369,7 @@ def test_shutdown_leaves_no_segments(server, link):
     link.detach()
     assert _stop(proc) == 0
     link.transport.close()
-    assert _segments_of(proc.pid, os.getpid()) == []
+    assert _no_named_segments(proc.pid, os.getpid()) and _mapped(os.getpid(), proc.pid) == set()
     assert "Traceback" not in log_path.read_text()
 
 
@@ -405,4 +413,4 @@ def test_server_on_another_host_refuses_shm_handles_and_the_link_goes_inline(cap
         channel.close()
         transport.close()
         assert _stop(proc) == 0
-    assert _segments_of(proc.pid, os.getpid()) == []
+    assert _no_named_segments(proc.pid, os.getpid()) and _mapped(os.getpid(), proc.pid) == set()

@@ -27,6 +27,7 @@ import argparse
 import functools
 import importlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -42,6 +43,7 @@ DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible API's port (vLLM's and SGLang'
 SERVICES = {"verify": "ddtree.verify.main", "drafter": "ddtree.drafter.main", "treebuild": "ddtree.treebuild.main",
             "http": "ddtree.http.main"}
 ANY_ADDRESS = ("0.0.0.0", "::", "[::]")
+TOKEN_ENV = "DDTREE_TRANSPORT_TOKEN"  # ddtree.transport.endpoint.TOKEN_ENV (not imported: that pulls in torch)
 
 
 def add_up_parser(subparsers) -> argparse.ArgumentParser:
@@ -264,12 +266,20 @@ def stop_all(children: list[Child], grace_s: float) -> None:
             child.proc.wait()
 
 
+def transport_token(environ: dict) -> str:
+    """The transport token of this launch: $DDTREE_TRANSPORT_TOKEN when set, else a fresh random
+    one. The children get it in their environment only (never a command line): Attach, Detach and
+    Transport.Status of the drafter and sidecar refuse callers without it."""
+    return environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
+
+
 def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     env = dict(os.environ)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # CUDA IPC producers need it
+    env[TOKEN_ENV] = transport_token(env)
     demo = getattr(args, "demo", False)
     trace_file = None
     if demo:  # all three services append their spans to one file: the breakdown's source

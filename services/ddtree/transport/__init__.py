@@ -14,12 +14,13 @@ import importlib
 _EXPORTS = {
     "ddtree.transport.endpoint": ["Transport", "TransportConfig", "PeerScope", "sweep_stale_segments"],
     "ddtree.transport.errors": ["TransportError", "BadTensorRef", "BadRegionHandle", "UnknownPeer",
-                                "AttachDenied", "TransportUnavailable"],
+                                "AttachDenied", "Unauthenticated", "TransportUnavailable"],
     "ddtree.transport.host": ["host_id"],
     "ddtree.transport.peer": ["PeerLink"],
     "ddtree.transport.region": ["Region", "ImportedRegion", "CUDA_IPC", "SHM", "INLINE", "align", "kind_name"],
     "ddtree.transport.service": ["TransportServicer", "add_transport_service", "attach", "serve_peer",
                                  "transport_errors", "peer_id_of", "checksum", "PEER_METADATA_KEY",
+                                 "PEER_SECRET_METADATA_KEY",
                                  "PROBE_READ_METADATA_KEY", "DEFERRED_READ", "RESOLVE_ONLY"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -4,6 +4,7 @@ Reads one JSON line {kind, handle (hex), nbytes, slot_bytes, event (hex), device
 maps the region the way a peer would, checks slot 0 against the sha256 it was given, writes
 slot 0 XOR 0x5A into slot 1, and prints one JSON line {ok, error}.
 """
+import fcntl
 import hashlib
 import json
 import mmap
@@ -16,8 +17,16 @@ def _xor(data: bytes) -> bytes:
 
 
 def _shm(req: dict) -> None:
-    fd = os.open(os.path.join("/dev/shm", bytes.fromhex(req["handle"]).decode()), os.O_RDWR | os.O_NOFOLLOW)
+    # handle: memfd:<pidns>:<pid>:<fd>:<dev>:<ino>; the producer's fd, opened through /proc
+    _, _, pid, fdnum, dev, ino = bytes.fromhex(req["handle"]).decode().split(":")
+    fd = os.open(f"/proc/{int(pid)}/fd/{int(fdnum)}", os.O_RDWR | os.O_CLOEXEC)
     try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (int(dev), int(ino)):
+            raise RuntimeError("the handle's fd is another file")
+        if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != \
+                fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
+            raise RuntimeError("the region is not sealed against shrinking and growing")
         mm = mmap.mmap(fd, req["nbytes"])
     finally:
         os.close(fd)

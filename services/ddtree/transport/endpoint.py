@@ -13,7 +13,8 @@ import torch
 from opentelemetry import trace
 
 from ddtree.transport import fastpath, selftest
-from ddtree.transport.errors import AttachDenied, BadRegionHandle, BadTensorRef, TransportUnavailable, UnknownPeer
+from ddtree.transport.errors import (AttachDenied, BadRegionHandle, BadTensorRef, TransportUnavailable, Unauthenticated,
+                                     UnknownPeer)
 from ddtree.transport.host import host_id, pid_alive
 from ddtree.transport.memory import SHM_DIR, SHM_PREFIX, shm_owner_pid, unlink_segment
 from ddtree.transport.region import (INLINE, KIND_OF_NAME, SHM, VIEW_CACHE_MAX, ImportedRegion, Region, View,
@@ -25,6 +26,7 @@ _tracer = trace.get_tracer("ddtree.transport")
 
 TOKEN_ENV = "DDTREE_TRANSPORT_TOKEN"
 PROBE_REGION = "transport/probe"
+MIN_PEER_SECRET, MAX_PEER_SECRET = 32, 256   # characters of AttachRequest.peer_secret
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class TransportConfig:
     kind: str = "auto"                  # auto (cuda_ipc on a GPU device, else shm) | cuda_ipc | shm | inline
     device: str = "cpu"                 # where our regions live ("cuda:0" for cuda_ipc)
     fallback: tuple[str, ...] = ()      # kinds allowed, in order, if `kind` fails its self-test; () = fail loudly
-    token: str | None = None            # shared secret for Attach; None = env DDTREE_TRANSPORT_TOKEN
+    token: str | None = None            # shared secret for Attach/Detach/Status; None = env DDTREE_TRANSPORT_TOKEN
     self_test: bool = True              # prove the chosen kind with a round trip through a child process
     probe_slot_bytes: int = 1 << 16     # slot size of the probe region (self-tests and Probe echoes)
     reap_interval_s: float = 1.0        # how often dead peers are looked for (0 = only on demand)
@@ -53,6 +55,7 @@ class _Peer:
     pid: int                             # producer pid to watch for death (0: not visible, not watched)
     inline: bool                         # our outputs reach it inline (another host or cannot map our kind)
     regions: dict[str, ImportedRegion] = field(default_factory=dict)
+    secret: bytes = b""                  # its AttachRequest.peer_secret; b"": no call can authenticate as it
     holds: int = 0                       # in-flight uses (PeerScope) keeping its regions mapped
     detached: bool = False
     # serialized TensorRef (names its region) -> validated View, across the peer's regions: a known
@@ -207,15 +210,20 @@ class Transport:
 
     # --- attachment -----------------------------------------------------------------------
     def check_token(self, token: str) -> None:
+        """Raises AttachDenied unless `token` is ours (always passes when we have none)."""
         if self.token and not hmac.compare_digest(token.encode(), self.token.encode()):
-            raise AttachDenied("wrong or missing transport token (DDTREE_TRANSPORT_TOKEN)")
+            raise AttachDenied(f"wrong or missing transport token ({TOKEN_ENV})")
 
     def attach(self, request: transport_pb2.AttachRequest) -> transport_pb2.AttachReply:
-        """Server side of Attach: checks token and host, imports the peer's regions (replacing a
-        previous attachment of the same peer id) and returns ours. Raises TransportError."""
+        """Server side of Attach: checks token, peer secret and host, imports the peer's regions
+        (replacing a previous attachment of the same peer id) and returns ours. Raises TransportError."""
         self.check_token(request.token)
         if not request.peer_id:
             raise BadRegionHandle("AttachRequest.peer_id is empty")
+        secret = request.peer_secret
+        if not (MIN_PEER_SECRET <= len(secret) <= MAX_PEER_SECRET and secret.isascii() and secret.isprintable()):
+            raise BadRegionHandle(f"AttachRequest.peer_secret must be {MIN_PEER_SECRET}..{MAX_PEER_SECRET} printable "
+                                  f"ASCII characters (PeerLink makes one), got {len(secret)}")
         same_host = request.host_id == host_id()
         accepts_ours = not request.accepted_kinds or self.kind in request.accepted_kinds
         inline = not same_host or not accepts_ours
@@ -224,7 +232,7 @@ class Transport:
             why = "it is on another host" if not same_host else f"it does not accept {kind_name(self.kind)}"
             reason = f"outputs sent inline to {request.peer_id!r}: {why}"
             log.warning("transport: %s", reason, extra={"peer": request.peer_id})
-        self.import_peer(request.peer_id, request.regions, inline=inline, peer_host=request.host_id)
+        self.import_peer(request.peer_id, request.regions, inline=inline, peer_host=request.host_id, secret=secret)
         span = trace.get_current_span()
         span.set_attribute("ddtree.transport.peer", request.peer_id)
         span.set_attribute("ddtree.transport.kind", kind_name(INLINE if inline else self.kind))
@@ -233,9 +241,11 @@ class Transport:
         return transport_pb2.AttachReply(peer_id=self.peer_id, regions=self.handles(inline=inline),
                                          kind=INLINE if inline else self.kind, fallback_reason=reason)
 
-    def import_peer(self, peer_id: str, handles, inline: bool = False, peer_host: str | None = None) -> None:
+    def import_peer(self, peer_id: str, handles, inline: bool = False, peer_host: str | None = None,
+                    secret: str = "") -> None:
         """Maps every region a peer exports (once), namespaced by its peer id. `inline`: our
-        outputs reach this peer inline. `peer_host`: the host the peer says it runs on."""
+        outputs reach this peer inline. `peer_host`: the host the peer says it runs on. `secret`:
+        what its calls must carry to be served as it (`hold(peer_id, secret)`)."""
         mine = host_id()
         imported: dict[str, ImportedRegion] = {}
         pid = 0
@@ -257,20 +267,25 @@ class Transport:
             raise
         with self._lock:
             old = self._peers.get(peer_id)
-            self._peers[peer_id] = _Peer(peer_id, pid, inline, imported)
+            self._peers[peer_id] = _Peer(peer_id, pid, inline, imported, secret=secret.encode())
             if old is not None:
                 self._drop(old)
         log.info("transport: attached peer %s (%d regions%s)", peer_id, len(imported), ", inline" if inline else "",
                  extra={"peer": peer_id})
 
-    def detach(self, peer_id: str, token: str | None = None) -> bool:
-        """Forgets a peer; its regions are unmapped once no RPC holds them. False if unknown."""
+    def detach(self, peer_id: str, token: str | None = None, secret: str | None = None) -> bool:
+        """Forgets a peer; its regions are unmapped once no RPC holds them. False if unknown.
+        The Detach RPC passes the call's `token` and peer `secret` (checked); in-process callers
+        (reaper, close) pass neither."""
         if token is not None:
             self.check_token(token)
         with self._lock:
-            peer = self._peers.pop(peer_id, None)
+            peer = self._peers.get(peer_id)
             if peer is None:
                 return False
+            if secret is not None:
+                _authenticate(peer, secret)
+            del self._peers[peer_id]
             self._drop(peer)
         log.info("transport: detached peer %s", peer_id, extra={"peer": peer_id})
         return True
@@ -295,11 +310,15 @@ class Transport:
             raise UnknownPeer(f"peer {peer_id!r} is not attached (Attach first)")
         return peer
 
-    def hold(self, peer_id: str) -> "PeerScope":
+    def hold(self, peer_id: str, secret: str | None = None) -> "PeerScope":
         """Holds a peer's regions for one RPC (ref counts +1; a Detach meanwhile is deferred);
-        use as `with transport.hold(peer_id) as scope: scope.resolve(ref)`."""
+        use as `with transport.hold(peer_id) as scope: scope.resolve(ref)`. `secret`: the call's
+        peer secret, which must be the one the peer attached with (serve_peer passes what the
+        metadata carries, "" when none: Unauthenticated); None only for in-process callers."""
         with self._lock:
             peer = self._peer(peer_id)
+            if secret is not None:
+                _authenticate(peer, secret)
             peer.holds += 1
         return PeerScope(self, peer)
 
@@ -326,8 +345,11 @@ class Transport:
         return region.inline_ref(ref)
 
     # --- bookkeeping ----------------------------------------------------------------------
-    def status(self) -> transport_pb2.TransportStatusReply:
-        """Regions (own and imported) with reference counts, and attached peers."""
+    def status(self, token: str | None = None) -> transport_pb2.TransportStatusReply:
+        """Regions (own and imported) with reference counts, and attached peers. The Status RPC
+        passes the request's `token` (checked)."""
+        if token is not None:
+            self.check_token(token)
         self.reap_dead_peers()
         with self._lock:
             self._lingering = [(p, r) for p, r in self._lingering if r.memory is not None and r.memory.alive()]
@@ -348,15 +370,12 @@ class Transport:
             return reply
 
     def reap_dead_peers(self) -> list[str]:
-        """Detaches peers whose process died and unlinks the shm segments they left behind."""
+        """Detaches peers whose process died (their shm memory goes with our last view of it)."""
         with self._lock:
             dead = [p for p in self._peers.values() if p.pid and not pid_alive(p.pid)]
         for peer in dead:
             log.warning("transport: peer %s (pid %d) died; detaching it", peer.peer_id, peer.pid,
                         extra={"peer": peer.peer_id})
-            for r in peer.regions.values():
-                if r.kind == SHM and r.memory is not None and shm_owner_pid(r.memory.name) == peer.pid:
-                    unlink_segment(r.memory.name)
             self.detach(peer.peer_id)
         return [p.peer_id for p in dead]
 
@@ -387,8 +406,17 @@ class Transport:
         self.close()
 
 
+def _authenticate(peer: _Peer, secret: str) -> None:
+    """Raises Unauthenticated unless `secret` is the one `peer` attached with (constant time)."""
+    if not (peer.secret and hmac.compare_digest(secret.encode(), peer.secret)):
+        raise Unauthenticated(f"call for peer {peer.peer_id!r} without its peer secret "
+                              f"({'a wrong one' if secret else 'none'} in ddtree-peer-secret metadata): "
+                              "only the process that attached can call as it")
+
+
 def sweep_stale_segments() -> list[str]:
-    """Unlinks /dev/shm segments of ours whose creator process is gone (killed before cleanup)."""
+    """Unlinks /dev/shm segments left by older versions (named files; shm regions are unnamed
+    memfds now) whose creator process is gone."""
     removed = []
     try:
         names = os.listdir(SHM_DIR)

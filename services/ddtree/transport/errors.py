@@ -25,9 +25,16 @@ class UnknownPeer(TransportError):
 
 
 class AttachDenied(TransportError):
-    """Wrong or missing shared token. PERMISSION_DENIED."""
+    """Wrong or missing shared token (Attach, Detach, Status). PERMISSION_DENIED."""
 
     grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Unauthenticated(TransportError):
+    """A call naming an attached peer without that peer's secret (or with a wrong one): it does
+    not come from the process that attached. UNAUTHENTICATED."""
+
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class TransportUnavailable(RuntimeError):

@@ -6,20 +6,26 @@ references, so a view still held by a caller stays valid (unregister is deferred
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import re
-import secrets
 import weakref
 
 import torch
 
 from ddtree.transport.errors import BadRegionHandle
 
+# Seals every shm region carries before it is exported, and that an importer checks: a region
+# that can shrink could be truncated under a reader, whose next read would die of SIGBUS.
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_SEALS = REQUIRED_SEALS | fcntl.F_SEAL_SEAL
+MEMFD_PREFIX = "ddtree-"
+# memfd:<pid namespace inode>:<pid>:<fd>:<st_dev>:<st_ino> (the producer's open fd and its file)
+_HANDLE = re.compile(r"^memfd:(\d{1,20}):(\d{1,10}):(\d{1,10}):(\d{1,20}):(\d{1,20})$")
+# Segments older versions created in /dev/shm (named files): swept when their creator is gone.
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "ddtree-"
-# Segment names are generated here and checked on import: no path can be smuggled in.
-# ddtree-<pid namespace inode>-<pid>-<random>-<label>
 _SHM_NAME = re.compile(r"^ddtree-(\d+)-(\d+)-[0-9a-f]{12}-[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -31,11 +37,20 @@ def _pid_namespace() -> int:
 
 
 def shm_owner_pid(name: str) -> int | None:
-    """Pid of the process that created a segment, if it is ours and in our pid namespace."""
+    """Pid of the process that created a /dev/shm segment (older versions' naming), if it is in
+    our pid namespace."""
     m = _SHM_NAME.match(name)
     if m is None or int(m.group(1)) != _pid_namespace():
         return None
     return int(m.group(2))
+
+
+def unlink_segment(name: str) -> bool:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+        return True
+    except FileNotFoundError:
+        return False
 
 
 class Memory:
@@ -65,65 +80,89 @@ class LocalMemory(Memory):
 
 
 class ShmMemory(Memory):
-    """A POSIX shared-memory segment in /dev/shm, mapped with mmap (no multiprocessing
-    resource_tracker involved: the creator alone unlinks, consumers only map)."""
+    """Host memory shared by file descriptor: a memfd sealed against shrinking and growing.
 
-    def __init__(self, name: str, nbytes: int, create: bool):
+    The producer creates it (memfd_create, fallocate, F_ADD_SEALS), keeps the fd open while the
+    region lives and exports `memfd:<pidns>:<pid>:<fd>:<dev>:<ino>`. A peer opens that fd as
+    /proc/<pid>/fd/<fd> (same pid namespace, and the kernel's ptrace read check: same user),
+    checks that it is the same file, that it carries REQUIRED_SEALS and is as large as claimed,
+    maps it and closes its fd. No process can then change its size, so no read of the mapping can
+    fault. The memory has no name: it goes with the last fd and mapping, even after kill -9, and
+    no /dev/shm entry can be left behind or unlinked under a reader.
+    """
+
+    def __init__(self, fd: int, nbytes: int, owner: bool):
         super().__init__()
-        self.name = name
-        self.owner = create
-        path = os.path.join(SHM_DIR, name)
-        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                # fallocate, not ftruncate: a full /dev/shm fails here with ENOSPC instead of
-                # SIGBUS at the first write into the mapping
-                os.posix_fallocate(fd, 0, nbytes)
-            elif os.fstat(fd).st_size < nbytes:
-                raise BadRegionHandle(
-                    f"shm segment {name!r} has {os.fstat(fd).st_size} bytes, handle says {nbytes}")
-            mm = mmap.mmap(fd, nbytes)
-        except BaseException:
-            if create:
-                os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        self.handle = name.encode()
+        self.owner = owner
+        mm = mmap.mmap(fd, nbytes)
+        if owner:
+            st = os.fstat(fd)
+            self._fd = fd
+            self.handle = f"memfd:{_pid_namespace()}:{os.getpid()}:{fd}:{st.st_dev}:{st.st_ino}".encode()
+        else:
+            self._fd = -1
         self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
         self._anchor = weakref.ref(mm)
 
     @classmethod
     def create(cls, label: str, nbytes: int) -> "ShmMemory":
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", label)[:64] or "region"
-        return cls(f"{SHM_PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(6)}-{safe}", nbytes, create=True)
+        fd = os.memfd_create(f"{MEMFD_PREFIX}{os.getpid()}-{safe}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            # fallocate, not ftruncate alone: no memory fails here with ENOSPC instead of SIGBUS
+            # at the first write into the mapping
+            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            return cls(fd, nbytes, owner=True)
+        except BaseException:
+            os.close(fd)
+            raise
 
     @classmethod
     def open(cls, handle: bytes, nbytes: int) -> "ShmMemory":
-        name = handle.decode("utf-8", "replace")
-        if not _SHM_NAME.match(name):
-            raise BadRegionHandle(f"invalid shm segment name {name!r}")
+        text = handle.decode("utf-8", "replace")
+        m = _HANDLE.match(text)
+        if m is None:
+            raise BadRegionHandle(f"invalid shm handle {text!r} (expected memfd:<pidns>:<pid>:<fd>:<dev>:<ino>)")
+        pidns, pid, fdnum, dev, ino = map(int, m.groups())
+        if pidns != _pid_namespace():
+            raise BadRegionHandle(f"shm region of pid {pid} is in another pid namespace: shm peers must share "
+                                  "the pid namespace (compose: pid: host), else attach inline")
         try:
-            return cls(name, nbytes, create=False)
+            fd = os.open(f"/proc/{pid}/fd/{fdnum}", os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise BadRegionHandle(f"shm segment {name!r} does not exist (producer gone, or no shared /dev/shm)") from None
-        except (PermissionError, ValueError, OSError) as exc:
-            raise BadRegionHandle(f"cannot map shm segment {name!r}: {exc}") from None
+            raise BadRegionHandle(f"shm region {text!r} does not exist (its producer is gone)") from None
+        except OSError as exc:
+            raise BadRegionHandle(f"cannot open shm region {text!r}: {exc.strerror} "
+                                  "(a producer of another user?)") from None
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (dev, ino):
+                raise BadRegionHandle(f"shm region {text!r}: fd {fdnum} of pid {pid} is another file")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                raise BadRegionHandle(f"shm region {text!r} is not a memfd (no seals)") from None
+            if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+                raise BadRegionHandle(f"shm region {text!r} is not sealed against shrinking and growing "
+                                      "(F_SEAL_SHRINK|F_SEAL_GROW): its producer could truncate it under us")
+            if st.st_size < nbytes:
+                raise BadRegionHandle(f"shm region {text!r} has {st.st_size} bytes, handle says {nbytes}")
+            try:
+                return cls(fd, nbytes, owner=False)
+            except (OSError, ValueError) as exc:
+                raise BadRegionHandle(f"cannot map shm region {text!r}: {exc}") from None
+        finally:
+            os.close(fd)
 
-    def unlink(self) -> None:
-        """Removes the name (creator only); existing mappings stay valid."""
-        if self.owner:
-            unlink_segment(self.name)
-            self.owner = False
-
-
-def unlink_segment(name: str) -> bool:
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-        return True
-    except FileNotFoundError:
-        return False
+    def release(self) -> None:
+        """Drops our references; the producer also closes its fd (peers can no longer open it,
+        the memory stays mapped while any view of it lives)."""
+        super().release()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class _CudaArray:

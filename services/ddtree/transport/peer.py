@@ -1,8 +1,9 @@
-"""Client side of a link to one serving peer: attaches with our regions, caches the peer's
-regions, resolves the refs it returns and proves the path with an echo round trip."""
+"""Client side of a link to one serving peer: attaches with our regions and a fresh peer secret,
+caches the peer's regions, resolves the refs it returns and proves the path with an echo round trip."""
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Callable
 
 import grpc
@@ -13,7 +14,7 @@ from ddtree.transport.endpoint import Transport
 from ddtree.transport.errors import TransportError
 from ddtree.transport.host import host_id
 from ddtree.transport.region import INLINE, kind_name
-from ddtree.transport.service import PEER_METADATA_KEY, checksum
+from ddtree.transport.service import PEER_METADATA_KEY, PEER_SECRET_METADATA_KEY, checksum
 from ddtree.v1 import tensor_pb2, transport_pb2, transport_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,10 @@ class PeerLink:
         link = PeerLink(transport, channel, DrafterStub(channel).Attach); link.attach()
         reply = stub.Draft(request, metadata=link.metadata)
         logprobs = link.resolve(reply.top_logprobs)
+
+    The link makes one random peer secret at construction; Attach hands it to the server, and
+    `metadata` (peer id + secret, fixed for the link's life, re-attaches included) proves every
+    later call comes from us. Only this process and the server know it.
     """
 
     def __init__(self, transport: Transport, channel: grpc.Channel, attach: AttachFn | None = None):
@@ -35,7 +40,9 @@ class PeerLink:
         self.channel = channel
         self.stub = transport_pb2_grpc.TransportStub(channel)
         self._attach = attach or self.stub.Attach
-        self.metadata: tuple[tuple[str, str], ...] = ((PEER_METADATA_KEY, transport.peer_id),)
+        self._secret = secrets.token_hex(32)
+        self.metadata: tuple[tuple[str, str], ...] = ((PEER_METADATA_KEY, transport.peer_id),
+                                                      (PEER_SECRET_METADATA_KEY, self._secret))
         self.server_id: str | None = None
         self.kind: int | None = None
         self.fallback_reason = ""
@@ -45,7 +52,7 @@ class PeerLink:
         t = self.transport
         accepted = [INLINE] if inline else [t.kind, INLINE]
         request = transport_pb2.AttachRequest(peer_id=t.peer_id, token=t.token, regions=t.handles(inline=inline),
-                                              host_id=host_id(), accepted_kinds=accepted)
+                                              host_id=host_id(), accepted_kinds=accepted, peer_secret=self._secret)
         try:
             reply = self._attach(request, timeout=timeout, metadata=self.metadata)
         except grpc.RpcError as exc:
@@ -100,6 +107,10 @@ class PeerLink:
         if not torch.equal(echoed, data):
             raise TransportError(f"self-test with {self.server_id}: echoed tensor differs")
         log.info("transport: %s path to %s proven by an echo round trip", kind_name(self.kind), self.server_id)
+
+    def status(self, timeout: float = 10.0) -> transport_pb2.TransportStatusReply:
+        """The server's Transport.Status (with our token)."""
+        return self.stub.Status(transport_pb2.TransportStatusRequest(token=self.transport.token), timeout=timeout)
 
     def detach(self, timeout: float = 10.0) -> None:
         """Tells the server to forget us and forgets the server's regions."""

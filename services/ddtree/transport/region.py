@@ -202,9 +202,7 @@ class Region:
         return out
 
     def close(self) -> None:
-        """Unlinks shm names and drops our references (memory goes with the last view of it)."""
-        if isinstance(self.memory, ShmMemory):
-            self.memory.unlink()
+        """Drops our references (shm: closes the exported fd); memory goes with the last view of it."""
         self.memory.release()
         self.flat = self._typed = None  # type: ignore[assignment]
         self._views = {}

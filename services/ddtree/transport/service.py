@@ -1,9 +1,11 @@
 """gRPC side: the ddtree.v1.Transport servicer, the Attach helper services call from their own
-Attach RPC, peer identification by metadata and TransportError -> status-code mapping."""
+Attach RPC, peer identification and authentication by metadata and TransportError -> status-code
+mapping."""
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 import time
 from typing import Iterator
@@ -12,12 +14,17 @@ import grpc
 import torch
 
 from ddtree.transport import fastpath
-from ddtree.transport.endpoint import PeerScope, Transport
+from ddtree.transport.endpoint import TOKEN_ENV, PeerScope, Transport
 from ddtree.transport.errors import TransportError, UnknownPeer
 from ddtree.transport.region import View
 from ddtree.v1 import tensor_pb2, transport_pb2, transport_pb2_grpc
 
+log = logging.getLogger(__name__)
+
+# Every call a peer makes after Attach names it (peer id) and proves it is the process that
+# attached (the secret it sent in AttachRequest.peer_secret); PeerLink.metadata carries both.
 PEER_METADATA_KEY = "ddtree-peer-id"
+PEER_SECRET_METADATA_KEY = "ddtree-peer-secret"
 # Probe read mode, call metadata (a stream's: once, at open). "deferred": the server only enqueues
 # each input's byte sum into a per-peer ring (no host sync; ProbeReply.checksum stays 0); a later
 # request with echo=True and no input returns the ring (int64 [n], entry step_id % n) in its probe
@@ -31,11 +38,23 @@ READ_MODES = ("sync", "deferred", "resolve")
 SUM_RING_MAX = 1 << 14
 
 
-def peer_id_of(context: grpc.ServicerContext) -> str:
+def caller_of(context: grpc.ServicerContext) -> tuple[str, str]:
+    """(peer id, peer secret) from the call's metadata; the secret is "" when absent. Raises
+    UnknownPeer without a peer id."""
+    peer_id, secret = None, ""
     for key, value in context.invocation_metadata() or ():
         if key == PEER_METADATA_KEY:
-            return value
-    raise UnknownPeer(f"missing {PEER_METADATA_KEY!r} metadata: call with PeerLink.metadata")
+            peer_id = value
+        elif key == PEER_SECRET_METADATA_KEY:
+            secret = value
+    if peer_id is None:
+        raise UnknownPeer(f"missing {PEER_METADATA_KEY!r} metadata: call with PeerLink.metadata")
+    return peer_id, secret
+
+
+def peer_id_of(context: grpc.ServicerContext) -> str:
+    """The calling peer's id, NOT authenticated (logging, keys): serve_peer authenticates."""
+    return caller_of(context)[0]
 
 
 @contextlib.contextmanager
@@ -49,8 +68,9 @@ def transport_errors(context: grpc.ServicerContext) -> Iterator[None]:
 
 
 class serve_peer:
-    """For a step RPC handler: identifies the calling peer, holds its regions for the call and
-    maps transport errors to status codes (a class, not a generator: per-step path).
+    """For a step RPC handler: identifies the calling peer, checks its peer secret (UNAUTHENTICATED
+    otherwise), holds its regions for the call and maps transport errors to status codes (a
+    class, not a generator: per-step path).
 
         with serve_peer(self.transport, context) as peer:
             x = peer.resolve(request.input)
@@ -65,7 +85,7 @@ class serve_peer:
 
     def __enter__(self) -> PeerScope:
         try:
-            self._scope = self._transport.hold(peer_id_of(self._context))
+            self._scope = self._transport.hold(*caller_of(self._context))
         except TransportError as exc:
             self._context.abort(exc.grpc_code, str(exc))
         return self._scope
@@ -157,11 +177,14 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
         return attach(self.transport, request, context)
 
     def Status(self, request, context):
-        return self.transport.status()
+        with transport_errors(context):
+            return self.transport.status(token=request.token)
 
     def Detach(self, request, context):
+        """Token checked, then the caller must be the peer it detaches (its secret)."""
         with transport_errors(context):
-            self.transport.detach(request.peer_id, token=request.token)
+            secret = next((v for k, v in context.invocation_metadata() or () if k == PEER_SECRET_METADATA_KEY), "")
+            self.transport.detach(request.peer_id, token=request.token, secret=secret)
         return transport_pb2.DetachReply()
 
     def _probe(self, request: transport_pb2.ProbeRequest, scope, mode: str = "sync") -> transport_pb2.ProbeReply:
@@ -245,6 +268,9 @@ class TransportServicer(transport_pb2_grpc.TransportServicer):
 def add_transport_service(server, transport: Transport) -> TransportServicer:
     """Registers ddtree.v1.Transport (Attach, Status, Detach, Probe, ProbeStream) on a GrpcServer
     (before start)."""
+    if not transport.token:
+        log.warning("transport: no %s set: any local process can Attach to %s, Detach or read Status",
+                    TOKEN_ENV, transport.peer_id)
     servicer = TransportServicer(transport)
     server.add(transport_pb2_grpc.add_TransportServicer_to_server, servicer, "ddtree.v1.Transport")
     return servicer

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ddtree.v1 import tensor_pb2 as ddtree_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64\x64tree/v1/transport.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/tensor.proto\"\x99\x01\n\rAttachRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12(\n\x07regions\x18\x03 \x03(\x0b\x32\x17.ddtree.v1.RegionHandle\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12-\n\x0e\x61\x63\x63\x65pted_kinds\x18\x05 \x03(\x0e\x32\x15.ddtree.v1.RegionKind\"\x86\x01\n\x0b\x41ttachReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12(\n\x07regions\x18\x02 \x03(\x0b\x32\x17.ddtree.v1.RegionHandle\x12#\n\x04kind\x18\x03 \x01(\x0e\x32\x15.ddtree.v1.RegionKind\x12\x17\n\x0f\x66\x61llback_reason\x18\x04 \x01(\t\"/\n\rDetachRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"\r\n\x0b\x44\x65tachReply\"\x18\n\x16TransportStatusRequest\"\xa3\x01\n\x0cRegionStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.ddtree.v1.RegionKind\x12\r\n\x05owned\x18\x03 \x01(\x08\x12\x11\n\tref_count\x18\x04 \x01(\r\x12\x17\n\x0fpending_release\x18\x05 \x01(\x08\x12\x11\n\tbyte_size\x18\x06 \x01(\x04\x12\x12\n\nslot_count\x18\x07 \x01(\r\"O\n\x14TransportStatusReply\x12(\n\x07regions\x18\x01 \x03(\x0b\x32\x17.ddtree.v1.RegionStatus\x12\r\n\x05peers\x18\x02 \x03(\t\"R\n\x0cProbeRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12#\n\x05input\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\x0c\n\x04\x65\x63ho\x18\x03 \x01(\x08\"~\n\nProbeReply\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12$\n\x06output\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x06\x12\'\n\x06timing\x18\x04 \x01(\x0b\x32\x17.ddtree.v1.ServerTiming\"1\n\x0cServerTiming\x12\x11\n\tserver_ms\x18\x01 \x01(\x01\x12\x0e\n\x06gpu_ms\x18\x02 \x01(\x01\x32\xcd\x02\n\tTransport\x12:\n\x06\x41ttach\x12\x18.ddtree.v1.AttachRequest\x1a\x16.ddtree.v1.AttachReply\x12L\n\x06Status\x12!.ddtree.v1.TransportStatusRequest\x1a\x1f.ddtree.v1.TransportStatusReply\x12:\n\x06\x44\x65tach\x12\x18.ddtree.v1.DetachRequest\x1a\x16.ddtree.v1.DetachReply\x12\x37\n\x05Probe\x12\x17.ddtree.v1.ProbeRequest\x1a\x15.ddtree.v1.ProbeReply\x12\x41\n\x0bProbeStream\x12\x17.ddtree.v1.ProbeRequest\x1a\x15.ddtree.v1.ProbeReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64\x64tree/v1/transport.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/tensor.proto\"\xae\x01\n\rAttachRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12(\n\x07regions\x18\x03 \x03(\x0b\x32\x17.ddtree.v1.RegionHandle\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12-\n\x0e\x61\x63\x63\x65pted_kinds\x18\x05 \x03(\x0e\x32\x15.ddtree.v1.RegionKind\x12\x13\n\x0bpeer_secret\x18\x06 \x01(\t\"\x86\x01\n\x0b\x41ttachReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12(\n\x07regions\x18\x02 \x03(\x0b\x32\x17.ddtree.v1.RegionHandle\x12#\n\x04kind\x18\x03 \x01(\x0e\x32\x15.ddtree.v1.RegionKind\x12\x17\n\x0f\x66\x61llback_reason\x18\x04 \x01(\t\"/\n\rDetachRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"\r\n\x0b\x44\x65tachReply\"\'\n\x16TransportStatusRequest\x12\r\n\x05token\x18\x01 \x01(\t\"\xa3\x01\n\x0cRegionStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.ddtree.v1.RegionKind\x12\r\n\x05owned\x18\x03 \x01(\x08\x12\x11\n\tref_count\x18\x04 \x01(\r\x12\x17\n\x0fpending_release\x18\x05 \x01(\x08\x12\x11\n\tbyte_size\x18\x06 \x01(\x04\x12\x12\n\nslot_count\x18\x07 \x01(\r\"O\n\x14TransportStatusReply\x12(\n\x07regions\x18\x01 \x03(\x0b\x32\x17.ddtree.v1.RegionStatus\x12\r\n\x05peers\x18\x02 \x03(\t\"R\n\x0cProbeRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12#\n\x05input\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\x0c\n\x04\x65\x63ho\x18\x03 \x01(\x08\"~\n\nProbeReply\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12$\n\x06output\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x06\x12\'\n\x06timing\x18\x04 \x01(\x0b\x32\x17.ddtree.v1.ServerTiming\"1\n\x0cServerTiming\x12\x11\n\tserver_ms\x18\x01 \x01(\x01\x12\x0e\n\x06gpu_ms\x18\x02 \x01(\x01\x32\xcd\x02\n\tTransport\x12:\n\x06\x41ttach\x12\x18.ddtree.v1.AttachRequest\x1a\x16.ddtree.v1.AttachReply\x12L\n\x06Status\x12!.ddtree.v1.TransportStatusRequest\x1a\x1f.ddtree.v1.TransportStatusReply\x12:\n\x06\x44\x65tach\x12\x18.ddtree.v1.DetachRequest\x1a\x16.ddtree.v1.DetachReply\x12\x37\n\x05Probe\x12\x17.ddtree.v1.ProbeRequest\x1a\x15.ddtree.v1.ProbeReply\x12\x41\n\x0bProbeStream\x12\x17.ddtree.v1.ProbeRequest\x1a\x15.ddtree.v1.ProbeReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,25 +33,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ddtree.v1.transport_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ATTACHREQUEST']._serialized_start=65
-  _globals['_ATTACHREQUEST']._serialized_end=218
-  _globals['_ATTACHREPLY']._serialized_start=221
-  _globals['_ATTACHREPLY']._serialized_end=355
-  _globals['_DETACHREQUEST']._serialized_start=357
-  _globals['_DETACHREQUEST']._serialized_end=404
-  _globals['_DETACHREPLY']._serialized_start=406
-  _globals['_DETACHREPLY']._serialized_end=419
-  _globals['_TRANSPORTSTATUSREQUEST']._serialized_start=421
-  _globals['_TRANSPORTSTATUSREQUEST']._serialized_end=445
-  _globals['_REGIONSTATUS']._serialized_start=448
-  _globals['_REGIONSTATUS']._serialized_end=611
-  _globals['_TRANSPORTSTATUSREPLY']._serialized_start=613
-  _globals['_TRANSPORTSTATUSREPLY']._serialized_end=692
-  _globals['_PROBEREQUEST']._serialized_start=694
-  _globals['_PROBEREQUEST']._serialized_end=776
-  _globals['_PROBEREPLY']._serialized_start=778
-  _globals['_PROBEREPLY']._serialized_end=904
-  _globals['_SERVERTIMING']._serialized_start=906
-  _globals['_SERVERTIMING']._serialized_end=955
-  _globals['_TRANSPORT']._serialized_start=958
-  _globals['_TRANSPORT']._serialized_end=1291
+  _globals['_ATTACHREQUEST']._serialized_end=239
+  _globals['_ATTACHREPLY']._serialized_start=242
+  _globals['_ATTACHREPLY']._serialized_end=376
+  _globals['_DETACHREQUEST']._serialized_start=378
+  _globals['_DETACHREQUEST']._serialized_end=425
+  _globals['_DETACHREPLY']._serialized_start=427
+  _globals['_DETACHREPLY']._serialized_end=440
+  _globals['_TRANSPORTSTATUSREQUEST']._serialized_start=442
+  _globals['_TRANSPORTSTATUSREQUEST']._serialized_end=481
+  _globals['_REGIONSTATUS']._serialized_start=484
+  _globals['_REGIONSTATUS']._serialized_end=647
+  _globals['_TRANSPORTSTATUSREPLY']._serialized_start=649
+  _globals['_TRANSPORTSTATUSREPLY']._serialized_end=728
+  _globals['_PROBEREQUEST']._serialized_start=730
+  _globals['_PROBEREQUEST']._serialized_end=812
+  _globals['_PROBEREPLY']._serialized_start=814
+  _globals['_PROBEREPLY']._serialized_end=940
+  _globals['_SERVERTIMING']._serialized_start=942
+  _globals['_SERVERTIMING']._serialized_end=991
+  _globals['_TRANSPORT']._serialized_start=994
+  _globals['_TRANSPORT']._serialized_end=1327
 # @@protoc_insertion_point(module_scope)

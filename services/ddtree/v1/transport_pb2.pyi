@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AttachRequest(_message.Message):
-    __slots__ = ("peer_id", "token", "regions", "host_id", "accepted_kinds")
+    __slots__ = ("peer_id", "token", "regions", "host_id", "accepted_kinds", "peer_secret")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_KINDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_SECRET_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     token: str
     regions: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.RegionHandle]
     host_id: str
     accepted_kinds: _containers.RepeatedScalarFieldContainer[_tensor_pb2.RegionKind]
-    def __init__(self, peer_id: _Optional[str] = ..., token: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[_tensor_pb2.RegionHandle, _Mapping]]] = ..., host_id: _Optional[str] = ..., accepted_kinds: _Optional[_Iterable[_Union[_tensor_pb2.RegionKind, str]]] = ...) -> None: ...
+    peer_secret: str
+    def __init__(self, peer_id: _Optional[str] = ..., token: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[_tensor_pb2.RegionHandle, _Mapping]]] = ..., host_id: _Optional[str] = ..., accepted_kinds: _Optional[_Iterable[_Union[_tensor_pb2.RegionKind, str]]] = ..., peer_secret: _Optional[str] = ...) -> None: ...
 
 class AttachReply(_message.Message):
     __slots__ = ("peer_id", "regions", "kind", "fallback_reason")
@@ -46,8 +48,10 @@ class DetachReply(_message.Message):
     def __init__(self) -> None: ...
 
 class TransportStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    def __init__(self, token: _Optional[str] = ...) -> None: ...
 
 class RegionStatus(_message.Message):
     __slots__ = ("name", "kind", "owned", "ref_count", "pending_release", "byte_size", "slot_count")
