@@ -52,10 +52,11 @@ def stack(pair):
     target, drafter = pair
     env = service_env({k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER")
                        and k != "DDTREE_TRACE_FILE"} | {"PYTHONUNBUFFERED": "1"})
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     verify = Service("verify", ["--target", str(target), "--drafter", str(drafter), "--port", str(port),
-                                "--device", "cpu"], env, "verify")
-    front = Service("http", ["--verify", f"127.0.0.1:{port}", "--target", str(target), "--port", "0"], env, "http")
+                                "--device", "cpu", "--metrics-port", str(metrics_port)], env, "verify")
+    front = Service("http", ["--verify", f"127.0.0.1:{port}", "--target", str(target), "--port", "0",
+                             "--verify-metrics", f"http://127.0.0.1:{metrics_port}/metrics"], env, "http")
     try:
         verify.wait_ready()
         deadline = time.monotonic() + 60
@@ -258,6 +259,47 @@ def test_metrics_are_prometheus_text_and_move(client, stack):
     assert moved("ddtree_acceptance_length_tokens", "ddtree_acceptance_length_tokens_sum") >= 24 - 1
     assert value(after, "ddtree_running_requests") == 0 and value(after, "ddtree_verify_up") == 1
     assert value(after, "ddtree_model_info", model="target") == 1
+
+
+def test_verify_service_metrics_on_the_http_port_move(client, stack):
+    """The verify service's own metrics (ddtree_verify_*), appended to the front's /metrics."""
+    before = scrape(stack[1])
+    reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True, "mode": "ddtree"})
+    after = scrape(stack[1])
+    p = "ddtree_verify_"
+    types = {p + "requests": "counter", p + "requests_rejected": "counter", p + "prompt_tokens": "counter",
+             p + "generation_tokens": "counter", p + "degradation_events": "counter", p + "peer_reattaches": "counter",
+             p + "time_to_first_token_seconds": "histogram", p + "time_per_output_token_seconds": "histogram",
+             p + "inter_token_latency_seconds": "histogram", p + "e2e_request_latency_seconds": "histogram",
+             p + "acceptance_length_tokens": "histogram", p + "step_seconds": "histogram",
+             p + "step_component_seconds": "histogram", p + "step_batch_size": "histogram",
+             p + "running_requests": "gauge", p + "queued_requests": "gauge", p + "kv_pages_reserved": "gauge",
+             p + "kv_pages": "gauge", p + "metrics_up": "gauge"}
+    assert {name: after[name].type for name in types} == types
+
+    def moved(name, sample, **labels):
+        return value(after, p + name, p + sample, **labels) - value(before, p + name, p + sample, **labels)
+
+    steps = reply.model_extra["speculation"]["steps"]
+    assert moved("requests", "requests_total", finish_reason="length", mode="ddtree") == 1
+    assert moved("generation_tokens", "generation_tokens_total") == 24
+    assert moved("prompt_tokens", "prompt_tokens_total") == reply.usage.prompt_tokens
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert moved(name, f"{name}_count") == 1, name
+    assert moved("inter_token_latency_seconds", "inter_token_latency_seconds_count") == steps > 1
+    assert moved("acceptance_length_tokens", "acceptance_length_tokens_count", mode="ddtree") == steps
+    assert moved("acceptance_length_tokens", "acceptance_length_tokens_sum", mode="ddtree") >= 24 - 1
+    assert moved("step_seconds", "step_seconds_count") == steps  # this request alone ran
+    for component in ("draft", "tree_build", "verify", "accept", "commit"):
+        assert moved("step_component_seconds", "step_component_seconds_count", component=component) == steps
+        assert moved("step_component_seconds", "step_component_seconds_sum", component=component) > 0
+    assert moved("step_component_seconds", "step_component_seconds_sum", component="verify") < \
+        moved("step_seconds", "step_seconds_sum")
+    assert value(after, p + "running_requests") == value(after, p + "queued_requests") == 0
+    assert value(after, p + "kv_pages_reserved") == 0 and value(after, p + "kv_pages") == 2048  # --num-pages
+    assert value(after, p + "metrics_up") == 1
+    assert value(after, p + "degradation_events", p + "degradation_events_total") == 0
 
 
 def test_a_client_that_disconnects_cancels_the_request(stack):

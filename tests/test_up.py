@@ -137,6 +137,11 @@ def test_up_serves_degrades_restarts_and_stops(tmp_path, subprocess_env):
                 assert time.monotonic() < deadline, "the drafter was never re-attached"
                 time.sleep(0.5)
             assert tokens_of(chunks) == ar[:40]
+            # ... and its /metrics (the verify service's, through the HTTP port) counted both
+            with urllib.request.urlopen(f"{ready.group(1)}/metrics", timeout=10) as reply:
+                text = reply.read().decode()
+            for name in ("degradation_events", "peer_reattaches"):
+                assert re.search(r'^ddtree_verify_%s_total\{peer="drafter"\} [1-9]' % name, text, re.M), text
 
             # the tree-build sidecar dies mid-generation: trees are built in process meanwhile
             if "treebuild" in pids:

@@ -203,6 +203,8 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
         verify += ["--treebuild-endpoint", services[0][1]]
     if args.tls_cert:
         verify += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
+    metrics_port = free_port(loopback(args.host))  # the verify service's /metrics, which the HTTP front appends
+    verify += ["--metrics-port", str(metrics_port)]
     services.append(("verify", f"{args.host}:{args.port}", verify + list(args.verify_arg)))
     if not args.no_http and service_available("http"):
         if args.http_port == 0:
@@ -210,6 +212,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
         services.append(("http", f"http://{args.host}:{args.http_port}",
                          ["--verify", f"{loopback(args.host)}:{args.port}", "--target", args.target,
                           "--host", args.host, "--port", str(args.http_port),
+                          "--verify-metrics", f"http://{loopback(args.host)}:{metrics_port}/metrics",
                           *(["--verify-tls-ca", args.tls_cert] if args.tls_cert else [])]))
     return services
 

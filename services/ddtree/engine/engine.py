@@ -22,6 +22,7 @@ builder that fails is replaced by the in-process one. Both are retried for new w
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -143,6 +144,7 @@ class _Request:
     target_forwards: int = 0
     committed: int = 0                 # tokens committed by decode steps (for mean acceptance)
     ttft_ms: float = 0.0
+    last_emit: float = 0.0             # monotonic time of the last chunk (inter-token latency)
     degradation: str = ""
     cancelled: bool = False
     finished: bool = False
@@ -152,8 +154,10 @@ class _Request:
 class Engine:
     def __init__(self, target: TargetRunner, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(), *,
                  drafter: DrafterBackend | None = None, tree: TreeBackend | None = None,
-                 local_tree: TreeBackend | None = None, tracer=None, on_fatal=None):
+                 local_tree: TreeBackend | None = None, tracer=None, on_fatal=None, metrics=None):
         self.target, self.tokenizer, self.config = target, tokenizer, config
+        self.metrics = metrics  # ddtree.telemetry.metrics.EngineMetrics, or None; may be set before start()
+        self._components: dict[str, float] = {}  # this step's seconds per component (metrics)
         self.drafter = drafter
         self.local_tree = local_tree
         self.tree = tree or local_tree
@@ -231,6 +235,8 @@ class Engine:
         except Overloaded as exc:
             with self._wake:
                 del self._requests[rid]
+            if self.metrics is not None:
+                self.metrics.rejected.inc()
             S.end_request_span(span, completion_tokens=0, finish_reason="error", steps=0, target_forwards=0,
                                mean_acceptance_length=0.0, mode_used=mode.value, error=str(exc))
             raise
@@ -308,8 +314,11 @@ class Engine:
             req.target_forwards += 1
             req.bonus, req.position = first[0], len(req.spec.prompt_ids)
             req.new_features = feats[0] if req.mode is not Mode.AR else None
-            req.ttft_ms = (time.monotonic() - req.arrival) * 1e3
+            req.last_emit = time.monotonic()
+            req.ttft_ms = (req.last_emit - req.arrival) * 1e3
             S.mark_first_token(req.span, req.ttft_ms)
+            if self.metrics is not None:
+                self.metrics.first_token(len(req.spec.prompt_ids), req.ttft_ms / 1e3)
             self._running.append(req)
             self._emit(req, [first[0]], accepted_length=1)
         return done
@@ -324,21 +333,35 @@ class Engine:
         modes = {r.mode for r in batch}
         step_mode = next(iter(modes)).value if len(modes) == 1 else "mixed"
         budget = max((r.budget for r in batch if r.mode is Mode.DDTREE), default=0)
+        self._components.clear()
+        started = time.perf_counter()
         with S.step_span(self.tracer, step_id=step_id, batch_size=len(batch), mode=step_mode, budget=budget,
                          requests=[r.span for r in batch], tp_size=self.target.tp_size) as step:
             trees = self._propose(step_id, batch, spec_rows)
             roots = torch.tensor([r.bonus for r in batch], dtype=torch.int64)
-            with S.component_span(self.tracer, S.VERIFY, backend="local"), self.timer.region(S.VERIFY):
+            with self._component(S.VERIFY, backend="local"), self.timer.region(S.VERIFY):
                 posterior, features = self.target.verify([r.seq_id for r in batch], roots, trees,
                                                          [r.sampler for r in batch])  # syncs (posterior on host)
             accepted = self._accept(step_id, trees, posterior)
-            with S.component_span(self.tracer, S.COMMIT, backend="local"), self.timer.region(S.COMMIT):
+            with self._component(S.COMMIT, backend="local"), self.timer.region(S.COMMIT):
                 self.target.commit([r.seq_id for r in batch], accepted.keep)
                 committed = self._commit(batch, trees, accepted, features)
             self.timer.flush(self.tracer)  # the verify's host sync already waited: ~free
             if self._down:
                 step.set_attribute(S.DEGRADATION, "; ".join(reason for _, reason in self._down.values()))
             S.end_step(step, tree_nodes=int(trees.num_nodes.sum()) + len(batch), accepted_tokens=committed)
+        if self.metrics is not None:
+            self.metrics.step_done(len(batch), time.perf_counter() - started, self._components)
+
+    @contextlib.contextmanager
+    def _component(self, component: str, **attrs):
+        """A component's span, its wall time added to this step's for the metrics."""
+        started = time.perf_counter()
+        try:
+            with S.component_span(self.tracer, component, **attrs) as span:
+                yield span
+        finally:
+            self._components[component] = self._components.get(component, 0.0) + time.perf_counter() - started
 
     def _apply_policy(self, batch: list[_Request]) -> None:
         policy = self.config.budget
@@ -388,6 +411,8 @@ class Engine:
                 return False
             log.info("%s is back", name)
             del self._down[name]
+            if self.metrics is not None:
+                self.metrics.reattaches.labels(name).inc()
             return True
         return False
 
@@ -395,6 +420,8 @@ class Engine:
         reason = f"{name} unavailable: {exc}"
         if name not in self._down:
             log.warning("%s; degrading", reason)
+            if self.metrics is not None:
+                self.metrics.degradations.labels(name).inc()
         self._down[name] = (time.monotonic(), reason)
         return reason
 
@@ -410,7 +437,7 @@ class Engine:
                     self.config.max_top_k, self.drafter.vocab_size)
             items = [DraftItem(r.id, r.bonus, r.position, r.new_features) for r in spec_rows]
             try:
-                with S.component_span(self.tracer, S.DRAFT, backend=self.drafter.name) as span:
+                with self._component(S.DRAFT, backend=self.drafter.name) as span:
                     top_lp, top_ids = self.drafter.draft(step_id, items, k)
                     S.record_server_timing(span, getattr(self.drafter, "last_timing", None))
             except (PeerUnavailable, ValueError) as exc:  # ValueError: the drafter refused our call
@@ -441,7 +468,7 @@ class Engine:
         """Builds per mode into `parts` (row id -> tree); returns the build when one covered all rows."""
         whole = None
         if spec_rows:
-            with S.component_span(self.tracer, S.TREE_BUILD, backend=self._tree_name()) as span:
+            with self._component(S.TREE_BUILD, backend=self._tree_name()) as span:
                 for mode in (Mode.DDTREE, Mode.CHAIN):
                     rows = [i for i, r in enumerate(spec_rows) if r.mode is mode]
                     if not rows:
@@ -475,7 +502,7 @@ class Engine:
             b = posterior.shape[0]
             zeros = torch.zeros(b, 1, dtype=torch.int64)
             return Accepted(path=zeros, length=torch.ones(b, dtype=torch.int64), bonus=posterior[:, 0], keep=zeros)
-        with S.component_span(self.tracer, S.ACCEPT, backend=self._tree_name()) as span:
+        with self._component(S.ACCEPT, backend=self._tree_name()) as span:
             if self.tree is not self.local_tree and self._peer_ok("treebuild"):
                 try:
                     accepted = self.tree.accept(step_id, trees, posterior)
@@ -511,6 +538,12 @@ class Engine:
         out = req.stop.feed(tokens)
         if out.token_ids:
             req.out.put(Chunk(out.token_ids, out.text, accepted_length, req.degradation))
+            if self.metrics is not None:
+                now = time.monotonic()
+                decode = req.steps > 0  # the prefill's chunk counts for the TTFT only
+                self.metrics.chunk(len(out.token_ids), now - req.last_emit if decode else None, accepted_length,
+                                   req.mode.value)
+                req.last_emit = now
         if out.finish is not None:
             self._finish(req, out.finish)
 
@@ -548,6 +581,10 @@ class Engine:
                            steps=req.steps, target_forwards=req.target_forwards, mean_acceptance_length=mean,
                            mode_used=req.mode.value, degradation=req.degradation,
                            error=error if reason is FinishReason.ERROR else None)
+        if self.metrics is not None:
+            first = req.arrival + req.ttft_ms / 1e3
+            self.metrics.finished(reason.value, req.mode.value, req.stop.generated, time.monotonic() - req.arrival,
+                                  req.last_emit - first)
         req.out.put(usage)
 
 

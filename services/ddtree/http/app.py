@@ -1,6 +1,9 @@
 """The ASGI app: routes, error handlers, the request counter, and the verify channel's lifetime."""
 from __future__ import annotations
 
+import asyncio
+import logging
+import urllib.request
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -18,6 +21,8 @@ from ddtree.http.service import OpenAIService
 from ddtree.http.verify_client import VerifyClient
 from ddtree.v1 import generation_pb2 as pb
 
+log = logging.getLogger("ddtree.http")
+VERIFY_METRICS_TIMEOUT_S = 2.0
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -26,6 +31,7 @@ class HttpConfig:
     verify: str                       # HOST:PORT of the verify service's Generation API
     request_timeout_s: float | None   # gRPC deadline of one generation (None: none)
     verify_tls_ca: str | None = None  # PEM roots: reach the verify service over TLS
+    verify_metrics: str | None = None  # URL of the verify service's /metrics, appended to ours (None: not)
 
 
 class RequestCounter:
@@ -92,6 +98,22 @@ def create_app(config: HttpConfig, info: pb.ModelInfo, prompts: Prompts, metrics
     @app.get("/metrics")
     async def prometheus(request: Request):
         metrics.verify_up.set(1 if await service(request).verify.serving() else 0)
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        verify_text = await scrape_verify() if config.verify_metrics else b""
+        return Response(metrics.render() + verify_text, media_type=CONTENT_TYPE_LATEST)
+
+    async def scrape_verify() -> bytes:
+        """The verify service's own metrics (ddtree_verify_*, no repeated family), or none when it
+        does not answer (ddtree_verify_metrics_up 0 says so)."""
+        def fetch() -> bytes:
+            with urllib.request.urlopen(config.verify_metrics, timeout=VERIFY_METRICS_TIMEOUT_S) as reply:
+                return reply.read()
+        try:
+            text = await asyncio.to_thread(fetch)
+        except OSError as exc:
+            log.warning("http: the verify service's metrics at %s did not answer: %s", config.verify_metrics, exc)
+            metrics.verify_metrics_up.set(0)
+            return b""
+        metrics.verify_metrics_up.set(1)
+        return text
 
     return app

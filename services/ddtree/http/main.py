@@ -31,6 +31,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="the target checkpoint the verify service runs (tokenizer, tokenizer_config.json)")
     p.add_argument("--verify-tls-ca", default=None, metavar="PEM",
                    help="root certificates of a verify service that serves TLS (its --tls-cert, when self-signed)")
+    p.add_argument("--verify-metrics", default=None, metavar="URL",
+                   help="the verify service's /metrics (its --metrics-port), appended to this server's /metrics "
+                        "at each scrape (default: not)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on (0: any free port)")
     p.add_argument("--verify-wait-s", type=float, default=600.0,
@@ -85,7 +88,7 @@ def serve(args: argparse.Namespace, log) -> int:
     sock = listen(args.host, args.port)
     port = sock.getsockname()[1]
     config = HttpConfig(verify=args.verify, request_timeout_s=args.request_timeout_s or None,
-                        verify_tls_ca=args.verify_tls_ca)
+                        verify_tls_ca=args.verify_tls_ca, verify_metrics=args.verify_metrics)
     app = create_app(config, info, prompts, Metrics())
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
                                            timeout_graceful_shutdown=args.grace_s))

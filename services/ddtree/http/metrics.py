@@ -13,10 +13,7 @@ import time
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Info, PlatformCollector,
                                ProcessCollector, disable_created_metrics, generate_latest)
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                   10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
-ACCEPTANCE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
+from ddtree.telemetry.metrics import ACCEPTANCE_BUCKETS, E2E_BUCKETS, LATENCY_BUCKETS
 
 
 class Metrics:
@@ -48,6 +45,8 @@ class Metrics:
                                     "(accepted drafts + the bonus token)", buckets=ACCEPTANCE_BUCKETS, registry=r)
         self.verify_up = Gauge("ddtree_verify_up", "1 when the verify service's health check says SERVING "
                                "(checked at each scrape)", registry=r)
+        self.verify_metrics_up = Gauge("ddtree_verify_metrics_up", "1 when the verify service's own metrics "
+                                       "(ddtree_verify_*, appended below) answered this scrape", registry=r)
         self.model = Info("ddtree_model", "What the verify service serves (GetModelInfo)", registry=r)
 
     def render(self) -> bytes:
