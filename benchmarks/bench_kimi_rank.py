@@ -29,6 +29,7 @@ transport 0; best budget = the ddtree budget with the most projected tok/s per l
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -352,7 +353,8 @@ def main() -> int:
     target = None
     for router in routers if "verify" in parts else ["random"]:
         if target is not None:
-            del target
+            target = None
+            gc.collect()  # the graphs and the model hold each other: free them before the next build
             if args.device == "cuda":
                 torch.cuda.empty_cache()
         target = load_target(args.format, router, buckets, args, report)
