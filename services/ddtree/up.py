@@ -8,10 +8,15 @@ Starts the tree-build sidecar and the drafter service on loopback ports, waits u
 SERVING, then starts the verify service (public gRPC API on --host:--port, default
 127.0.0.1:50051) pointed at them, waits for it, then the OpenAI-compatible HTTP API in front of it
 (on --host:--http-port, default 8000; 0 = any free port; --no-http leaves it out) and waits for its
-/health, prints the endpoints and stays in the foreground. Ctrl-C or SIGTERM stops them all
-(SIGTERM, then SIGKILL after --grace-s). A drafter, sidecar or HTTP front that crashes is restarted
-(the verify service serves degraded meanwhile, then re-attaches a drafter or sidecar); if the
-verify service exits, the others are stopped and `ddtree up` exits with status 1. On a GPU host every service uses
+/health, prints the endpoints and stays in the foreground. A child is ready when it printed its
+own "NAME listening on" line and its health check says SERVING. Ctrl-C or SIGTERM stops them all:
+the HTTP API and the verify service first (verify drains running streams for --drain-s), then the
+drafter and the sidecar; SIGKILL for any still running --grace-s later. A child that exits is
+restarted after a backoff (1 s, doubling, at most 30 s; ddtree.supervise); a drafter, sidecar or
+HTTP front that exits --max-restarts times in a row is left down while the verify service serves
+degraded (it re-attaches a drafter or sidecar that comes back). If the verify service exits
+--max-restarts times in a row, `ddtree up` stops the others and exits 1 with one line saying so.
+The shared-memory segments of every child that died are unlinked. On a GPU host every service uses
 GPU 0 (verify ranks use GPUs 0..N-1) and tensors move by CUDA IPC; on CPU, by shared memory.
 
 --demo: the models default to the bundled pair (checked against its manifest; --bundled-dir or
@@ -43,6 +48,7 @@ DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible API's port (vLLM's and SGLang'
 SERVICES = {"verify": "ddtree.verify.main", "drafter": "ddtree.drafter.main", "treebuild": "ddtree.treebuild.main",
             "http": "ddtree.http.main"}
 ANY_ADDRESS = ("0.0.0.0", "::", "[::]")
+OWN_LINE_WAIT_S = 5.0  # a child's "NAME listening on" line may reach us just after its health check
 TOKEN_ENV = "DDTREE_TRANSPORT_TOKEN"  # ddtree.transport.endpoint.TOKEN_ENV (not imported: that pulls in torch)
 
 
@@ -73,9 +79,13 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager", action="store_true",
                    help="no CUDA graphs in verify and drafter: every step launched op by op (default: graphs on a GPU)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0, help="per service (default 600)")
-    p.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL delay at shutdown")
+    p.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL delay at shutdown (default 10)")
+    p.add_argument("--drain-s", type=float, default=30.0,
+                   help="at shutdown, running streams get this long to finish before they end with UNAVAILABLE "
+                        "(the verify service's --drain-s; default 30)")
     p.add_argument("--max-restarts", type=int, default=5,
-                   help="restarts of a crashed drafter/sidecar/HTTP API before giving up (verify is never restarted)")
+                   help="restarts in a row of a child that keeps exiting (default 5): then a drafter, sidecar or HTTP "
+                        "API is left down and verify serves degraded; a verify service makes `ddtree up` exit 1")
     p.add_argument("--verify-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `ddtree serve verify` (repeatable), e.g. --verify-arg=--max-running=32")
     d = p.add_argument_group("demo")
@@ -205,6 +215,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
         verify += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
     metrics_port = free_port(loopback(args.host))  # the verify service's /metrics, which the HTTP front appends
     verify += ["--metrics-port", str(metrics_port)]
+    verify += ["--drain-s", str(args.drain_s)]
     services.append(("verify", f"{args.host}:{args.port}", verify + list(args.verify_arg)))
     if not args.no_http and service_available("http"):
         if args.http_port == 0:
@@ -238,6 +249,14 @@ def wait_serving(child: Child, timeout_s: float) -> None:
         raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} during start")
     if reason:
         raise RuntimeError(f"{child.name} did not become SERVING within {timeout_s:.0f}s")
+    # Health can answer for another server on the port: ready means this child said it listens.
+    own = f"{child.name} listening on "
+    deadline = time.monotonic() + OWN_LINE_WAIT_S
+    while not any(line.startswith(own) for line in child.lines):
+        if child.proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{target} answered health but {child.name} (pid {child.proc.pid}) never said it "
+                               "listens there (another server on its port?)")
+        time.sleep(0.05)
 
 
 def _pump(child: Child, echo: bool) -> None:
@@ -255,20 +274,6 @@ def _show_tail(child: Child, lines: int = 30) -> None:
         sys.stderr.write(f"[{child.name}] {line}")
 
 
-def stop_all(children: list[Child], grace_s: float) -> None:
-    for child in reversed(children):  # verify first: it is the others' client
-        if child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for child in reversed(children):
-        try:
-            child.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(f"ddtree up: {child.name} did not stop in {grace_s:.0f}s; killing it", file=sys.stderr)
-            child.proc.kill()
-            child.proc.wait()
-
-
 def transport_token(environ: dict) -> str:
     """The transport token of this launch: $DDTREE_TRANSPORT_TOKEN when set, else a fresh random
     one. The children get it in their environment only (never a command line): Attach, Detach and
@@ -276,7 +281,13 @@ def transport_token(environ: dict) -> str:
     return environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
 
 
+def say(line: str) -> None:
+    print(f"ddtree up: {line}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
+    from ddtree.supervise import RestartPolicy, Supervisor, stop_all
+
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -323,24 +334,14 @@ def run(args: argparse.Namespace) -> int:
                         _show_tail(child)
                 return code
             print(f"ddtree up: still serving (--demo-keep); spans keep going to {trace_file}", flush=True)
-        restarts = 0
+        supervisor = Supervisor(children, lambda c: start(c.name, c.endpoint, c.args),
+                                lambda c: wait_serving(c, args.startup_timeout_s),
+                                RestartPolicy(max_restarts=args.max_restarts), say)
         while not stop.wait(0.2):
-            for i, child in enumerate(children):
-                if child.proc.poll() is None:
-                    continue
-                if child.name == "verify" or restarts >= args.max_restarts:
-                    print(f"ddtree up: {child.name} exited with code {child.proc.returncode}; stopping the others",
-                          file=sys.stderr, flush=True)
-                    if demo:
-                        _show_tail(child)
-                    return 1
-                # A peer crashed: verify keeps serving (degraded) and re-attaches once it is back.
-                restarts += 1
-                print(f"ddtree up: {child.name} exited with code {child.proc.returncode}; restarting it "
-                      f"({restarts}/{args.max_restarts})", file=sys.stderr, flush=True)
-                children[i] = start(child.name, child.endpoint, child.args)
-                wait_serving(children[i], args.startup_timeout_s)
-                print(f"ddtree up: {child.name:9s} {child.endpoint}  (pid {children[i].proc.pid}) restarted", flush=True)
+            reason = supervisor.poll()
+            if reason:
+                say(reason)
+                return 1
         print("ddtree up: stopping", file=sys.stderr, flush=True)
         return 0
     except RuntimeError as exc:
@@ -349,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        stop_all(children, args.grace_s)
+        stop_all(children, args.drain_s, args.grace_s, say)
         if trace_file is not None and not args.demo_keep:
             trace_file.unlink(missing_ok=True)
             trace_file.parent.rmdir()
