@@ -23,6 +23,7 @@ from ddtree.v1 import generation_pb2, generation_pb2_grpc
 from ddtree_client import cli
 from ddtree_client.generate import Chunk, GenerateOptions, RequestRecord, build_request
 from ddtree_client.loadtest import LoadTestConfig, run_level, summarize_level, to_csv, with_speedups
+from ddtree_client.slo import SLO
 from ddtree_client.prompts import BUILTIN_PROMPTS, load_prompts
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
@@ -110,6 +111,15 @@ def test_chunk_timing_math():
     assert level.acceptance_hist == {1: 1, 3: 1}
     assert level.mean_acceptance_length == pytest.approx(2.0)
     assert level.target_forwards_per_token == pytest.approx(6 / 7)
+    assert level.req_s == pytest.approx(2 / 0.7)                            # the failed one is not a request done
+    # goodput: `rec` (TTFT 100 ms, TPOT 30 ms) and `other` (TTFT 200 ms, one token: no TPOT) meet the
+    # defaults (1000 / 50 ms); a TPOT SLO of 20 ms drops `rec`, a TTFT SLO of 150 ms drops `other`
+    assert (level.goodput_req_s, level.slo_attainment) == (pytest.approx(2 / 0.7), pytest.approx(2 / 3))
+    tight = summarize_level("ddtree", 2, None, [rec, other, failed], wall_s=0.7, slo=SLO(ttft_ms=150, tpot_ms=20))
+    assert tight.goodput_req_s == 0 and tight.slo_attainment == 0
+    assert summarize_level("ddtree", 2, None, [rec, other], 0.7, SLO(ttft_ms=150)).goodput_req_s == pytest.approx(1 / 0.7)
+    with pytest.raises(ValueError, match="SLOs must be > 0"):
+        SLO(ttft_ms=0)
     ar = summarize_level("ar", 2, None, [other], wall_s=0.5)
     sped = with_speedups([level, ar])
     assert sped[0].speedup_vs_ar == pytest.approx((7 / 0.7) / (1 / 0.5)) and sped[1].speedup_vs_ar == pytest.approx(1.0)
@@ -213,7 +223,7 @@ def test_loadtest_sweep_table_json_csv(scripted, tmp_path, capsys):
     assert ids == {f"sweep-{m}-c{c}-{i}" for m in ("ddtree", "ar") for c in (1, 4) for i in range(8)}
     rows = list(csv.DictReader(csv_path.open()))
     assert [int(r["tokens"]) for r in rows] == [96] * 4
-    assert "agg_tok/s" in out and "acceptance length histogram" in out and "inter_chunk" in out
+    assert "agg_tok/s" in out and "acceptance length: steps" in out and "inter_chunk" in out
 
 
 def test_loadtest_poisson_arrivals_follow_the_seeded_gaps(scripted):

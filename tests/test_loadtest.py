@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,7 +122,10 @@ def test_loadtest_at_concurrency_1_and_4_is_consistent(stack, tmp_path, capsys):
         assert lv["target_forwards_per_token"] == pytest.approx((steps + 8) / lv["tokens"])
         if mode == "ar":
             assert lv["acceptance_hist"] == {"1": 8 * (MAX_TOKENS - 1)} and lv["speedup_vs_ar"] == pytest.approx(1.0)
-    assert "agg_tok/s" in table and "ddtree     4" in table
+        assert lv["req_s"] == pytest.approx(8 / lv["wall_s"]) and lv["goodput_req_s"] <= lv["req_s"]
+        assert lv["goodput_req_s"] == pytest.approx(lv["slo_attainment"] * 8 / lv["wall_s"])
+    assert "agg_tok/s" in table and "goodput" in table and "TTFT <= 1000 ms and TPOT <= 50 ms" in table
+    assert re.search(r"^\s*ddtree\s+4\s+8\s+0\s+%d\s" % (8 * MAX_TOKENS), table, re.M), table  # columns apart
     assert table.startswith("# server: target (deepseek_v3, tp 1, vocab 32), drafter drafter (block 5)")
 
     # Per request, the client's count and timings agree with the server's usage.

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ddtree import __version__
 from ddtree_client.channel import DEFAULT_TARGET, open_channel
 from ddtree_client.generate import MODES, GenerateOptions
+from ddtree_client.slo import SLO
 from ddtree_client.tracing import traced_channel
 
 
@@ -121,14 +122,15 @@ def run_loadtest(args: argparse.Namespace) -> int:
         config = LoadTestConfig(
             target=args.target, concurrency=args.concurrency, modes=args.mode, rate=args.rate,
             num_requests=args.num_requests, options=_options(args, args.mode[0]), prompts=prompts,
-            warmup=args.warmup, timeout_s=args.timeout, tls_ca=args.tls_ca, tag=args.tag)
+            warmup=args.warmup, timeout_s=args.timeout, tls_ca=args.tls_ca, tag=args.tag,
+            slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms))
         results = run_sweep(config, progress=not args.no_progress)
     except (ValueError, ConnectionError) as exc:
         print(f"ddtree-client loadtest: {exc}", file=sys.stderr)
         return 2
     with open_channel(args.target, tls_ca=args.tls_ca) as channel:
         server = describe_server(generation_pb2_grpc.GenerationStub(channel))
-    print(format_table(results, server), end="")
+    print(format_table(results, server, config.slo), end="")
     for path, text in ((args.json, to_json(results, config, server)), (args.csv, to_csv(results))):
         if path:
             with open(path, "w", encoding="utf-8") as fh:
@@ -176,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="uncounted requests before the sweep (default 1)")
     p.add_argument("--tag", default="loadtest",
                    help="request ids are TAG-<mode>-c<conc>-<i> (trace-report --group-by level uses them)")
+    p.add_argument("--slo-ttft-ms", type=float, default=SLO.ttft_ms,
+                   help=f"goodput SLO: time to first token at most this (default {SLO.ttft_ms:g} ms)")
+    p.add_argument("--slo-tpot-ms", type=float, default=SLO.tpot_ms,
+                   help=f"goodput SLO: time per output token at most this (default {SLO.tpot_ms:g} ms)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every level as JSON")
     p.add_argument("--csv", default=None, metavar="FILE", help="write one CSV row per level")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

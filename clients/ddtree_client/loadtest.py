@@ -1,6 +1,8 @@
 """`ddtree-client loadtest`: a concurrency sweep (closed loop, or Poisson arrivals) over modes.
 
-Per level (mode x concurrency): requests, errors, tokens, wall_s, agg_tok/s = tokens / wall_s,
+Per level (mode x concurrency): requests, errors, tokens, wall_s, req/s = finished requests /
+wall_s, goodput = requests that met both SLOs (TTFT <= slo.ttft_ms and TPOT <= slo.tpot_ms; a
+failed request meets none) / wall_s, and the share that met them, agg_tok/s = tokens / wall_s,
 per_req_tok/s = mean of tokens / E2E per request, TTFT / TPOT / ITL (per token) / inter-chunk /
 E2E percentiles, acceptance length (mean and histogram over steps), target forwards per token,
 and the speedup over `ar` at the same concurrency when `ar` is in the sweep.
@@ -31,6 +33,7 @@ from ddtree.v1 import generation_pb2_grpc
 from ddtree_client.channel import DEFAULT_TARGET, open_channel
 from ddtree_client.generate import GenerateOptions, RequestRecord, build_request, stream_generate
 from ddtree_client.prompts import BUILTIN_PROMPTS, Prompt
+from ddtree_client.slo import SLO
 from ddtree_client.tracing import traced_channel
 
 PERCENTILES = (50, 90, 99)
@@ -51,6 +54,7 @@ class LoadTestConfig:
     tag: str = "loadtest"                     # request ids are <tag>-<mode>-c<conc>-<i>
     timeout_s: float = 600.0
     tls_ca: str | None = None
+    slo: SLO = SLO()
 
     def __post_init__(self):
         if not self.concurrency or any(c < 1 for c in self.concurrency):
@@ -81,6 +85,9 @@ class LevelResult:
     errors: int
     tokens: int
     wall_s: float
+    req_s: float                              # finished (not failed) requests per second
+    goodput_req_s: float                      # requests that met both SLOs per second
+    slo_attainment: float                     # share of all requests (failed ones too) that met both SLOs
     agg_tok_s: float
     per_req_tok_s: float
     latency_ms: dict[str, dict[str, float]]   # "ttft" -> {"p50", "p90", "p99", "mean"}
@@ -99,9 +106,10 @@ def _stats_ms(values_s: Sequence[float]) -> dict[str, float]:
 
 
 def summarize_level(mode: str, concurrency: int, rate: float | None, records: Sequence[RequestRecord],
-                    wall_s: float) -> LevelResult:
+                    wall_s: float, slo: SLO = SLO()) -> LevelResult:
     """The level's row from its requests (failed ones count as errors, not in the figures)."""
     ok = [r for r in records if r.ok]
+    good = sum(slo.met(r) for r in records)
     tokens = sum(r.tokens for r in ok)
     accepted = [a for r in ok for a in r.accepted_lengths]
     hist: dict[int, int] = {}
@@ -111,7 +119,10 @@ def summarize_level(mode: str, concurrency: int, rate: float | None, records: Se
     forwards = sum(r.usage.target_forwards for r in ok)
     return LevelResult(
         mode=mode, concurrency=concurrency, rate=rate, requests=len(records), errors=len(records) - len(ok),
-        tokens=tokens, wall_s=wall_s, agg_tok_s=tokens / wall_s if wall_s > 0 else math.nan,
+        tokens=tokens, wall_s=wall_s, req_s=len(ok) / wall_s if wall_s > 0 else math.nan,
+        goodput_req_s=good / wall_s if wall_s > 0 else math.nan,
+        slo_attainment=good / len(records) if records else math.nan,
+        agg_tok_s=tokens / wall_s if wall_s > 0 else math.nan,
         per_req_tok_s=float(np.mean([r.tokens / r.e2e_s for r in ok])) if ok else math.nan,
         latency_ms={
             "ttft": _stats_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
@@ -219,7 +230,7 @@ def run_level(stub: generation_pb2_grpc.GenerationStub, config: LoadTestConfig, 
                 pool.shutdown(wait=True)
     first_send = min((r.start for r in records), default=start)
     wall = max((r.end for r in records), default=start) - first_send
-    return summarize_level(mode, concurrency, config.rate, records, wall), records
+    return summarize_level(mode, concurrency, config.rate, records, wall, config.slo), records
 
 
 def warm_up(stub: generation_pb2_grpc.GenerationStub, config: LoadTestConfig) -> None:
@@ -265,28 +276,44 @@ def _f(x: float | None, digits: int = 1) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def format_table(results: Sequence[LevelResult], server: str = "") -> str:
-    """Throughput, latency and acceptance tables as fixed-width text (`server`: a header line)."""
-    lines = [f"# server: {server}"] if server else []
-    lines += [f"{'mode':<7}{'conc':>5}{'reqs':>6}{'err':>5}{'tokens':>8}{'wall_s':>9}{'agg_tok/s':>11}"
-             f"{'per_req_tok/s':>15}{'acc_len':>9}{'fwd/tok':>9}{'vs_ar':>7}"]
+def format_table(results: Sequence[LevelResult], server: str = "", slo: SLO = SLO()) -> str:
+    """Throughput, latency and acceptance tables (rich) as plain text; `server`: a header line."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    def table(title: str, *columns: str) -> Table:
+        t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        for i, name in enumerate(columns):
+            t.add_column(name, justify="left" if i == 0 or name == "histogram" else "right", no_wrap=True)
+        return t
+
+    throughput = table(f"throughput (goodput: requests with {slo.describe()}, per second)",
+                       "mode", "conc", "reqs", "err", "tokens", "wall_s", "req/s", "goodput", "SLO met",
+                       "agg_tok/s", "per_req_tok/s", "acc_len", "fwd/tok", "vs_ar")
     for r in results:
-        lines.append(f"{r.mode:<7}{r.concurrency:>5}{r.requests:>6}{r.errors:>5}{r.tokens:>8}{r.wall_s:>9.2f}"
-                     f"{_f(r.agg_tok_s):>11}{_f(r.per_req_tok_s):>15}{_f(r.mean_acceptance_length, 2):>9}"
-                     f"{_f(r.target_forwards_per_token, 3):>9}{_f(r.speedup_vs_ar, 2):>7}")
-    lines += ["", "latency ms, p50/p90/p99 (itl: per token; inter_chunk: per streamed chunk)",
-              f"{'mode':<7}{'conc':>5}" + "".join(f"{name:>22}" for name in LATENCIES)]
+        throughput.add_row(r.mode, str(r.concurrency), str(r.requests), str(r.errors), str(r.tokens), _f(r.wall_s, 2),
+                           _f(r.req_s, 2), _f(r.goodput_req_s, 2), _f(r.slo_attainment * 100, 0) + "%",
+                           _f(r.agg_tok_s), _f(r.per_req_tok_s), _f(r.mean_acceptance_length, 2),
+                           _f(r.target_forwards_per_token, 3), _f(r.speedup_vs_ar, 2))
+    latency = table("latency ms, p50/p90/p99 (itl: per token; inter_chunk: per streamed chunk)",
+                    "mode", "conc", *LATENCIES)
     for r in results:
-        cells = ["/".join(_f(r.latency_ms[name][f"p{p}"]) for p in PERCENTILES) for name in LATENCIES]
-        lines.append(f"{r.mode:<7}{r.concurrency:>5}" + "".join(f"{c:>22}" for c in cells))
-    lines += ["", "acceptance length histogram (accepted length: steps)"]
+        latency.add_row(r.mode, str(r.concurrency),
+                        *("/".join(_f(r.latency_ms[name][f"p{p}"]) for p in PERCENTILES) for name in LATENCIES))
+    acceptance = table("acceptance length: steps", "mode", "conc", "histogram")
     for r in results:
-        hist = " ".join(f"{k}:{v}" for k, v in r.acceptance_hist.items()) or "-"
-        lines.append(f"{r.mode:<7}{r.concurrency:>5}  {hist}")
+        acceptance.add_row(r.mode, str(r.concurrency), " ".join(f"{k}:{v}" for k, v in r.acceptance_hist.items()) or "-")
+    out = io.StringIO()
+    console = Console(file=out, width=400, color_system=None, highlight=False)  # never wrap: a file or a pipe
+    if server:
+        console.print(f"# server: {server}", soft_wrap=True)
+    for t in (throughput, latency, acceptance):
+        console.print(t)
     errors = [f"{r.mode} conc {r.concurrency}: {e}" for r in results for e in r.error_samples]
     if errors:
-        lines += ["", "errors (samples):", *errors]
-    return "\n".join(lines) + "\n"
+        console.print("errors (samples):\n" + "\n".join(errors), soft_wrap=True)
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines()) + "\n"
 
 
 def _no_nan(value):
@@ -302,13 +329,14 @@ def _no_nan(value):
 
 def to_json(results: Sequence[LevelResult], config: LoadTestConfig, server: str = "") -> str:
     meta = {"target": config.target, "server": server, "rate": config.rate, "options": asdict(config.options),
-            "prompts": len(config.prompts), "tag": config.tag}
+            "prompts": len(config.prompts), "tag": config.tag, "slo": asdict(config.slo)}
     return json.dumps(_no_nan({"config": meta, "levels": [asdict(r) for r in results]}), indent=1)
 
 
 def to_csv(results: Sequence[LevelResult]) -> str:
     """One row per level; latency columns flattened as <name>_p50_ms ...; histogram as "1:3;2:7"."""
-    scalar = ["mode", "concurrency", "rate", "requests", "errors", "tokens", "wall_s", "agg_tok_s",
+    scalar = ["mode", "concurrency", "rate", "requests", "errors", "tokens", "wall_s", "req_s", "goodput_req_s",
+              "slo_attainment", "agg_tok_s",
               "per_req_tok_s", "mean_acceptance_length", "target_forwards_per_token", "speedup_vs_ar"]
     stats = (*(f"p{p}" for p in PERCENTILES), "mean")
     buf = io.StringIO()
