@@ -207,10 +207,10 @@ def part_verify(report: Report, target: LocalTarget, router: str, bandwidth: flo
 
 
 # ---- engine part --------------------------------------------------------------------------------
-def cells(args):
+def cells(args, levels=None):
     for mode in args.modes:
         for budget in (args.budgets if mode == "ddtree" else [0]):
-            for conc in args.concurrency:
+            for conc in levels or args.concurrency:
                 yield mode, budget, conc
 
 
@@ -295,6 +295,62 @@ def part_engine(report: Report, target: LocalTarget, args) -> tuple[list[dict], 
     return results, {r.group: r for r in reports}
 
 
+# ---- services part ------------------------------------------------------------------------------
+def part_services(report: Report, args) -> dict:
+    """One `ddtree up` stack (verify + drafter service + tree-build sidecar on this GPU), every
+    step traced to a collector process; the cells through the public API (ddtree_client)."""
+    import dataclasses
+
+    from bench_service import CollectorProcess, start_stack, stop
+
+    from ddtree.telemetry.trace_report import format_table, load_otlp_file, step_breakdowns, summarize
+    from ddtree.v1 import generation_pb2_grpc
+    from ddtree_client.channel import open_channel
+    from ddtree_client.generate import GenerateOptions, describe_server
+    from ddtree_client.loadtest import LoadTestConfig, run_level
+    from ddtree_client.loadtest import format_table as level_table
+
+    out = Path(args.out).parent
+    trace_file = out / "kimi_services_trace.jsonl"
+    trace_file.unlink(missing_ok=True)
+    collector = CollectorProcess()
+    env = {"OTEL_TRACES_SAMPLER": "parentbased_always_on", "DDTREE_TRACE_STEPS": "1", "DDTREE_TRACE_DETAIL": "spans",
+           "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+    max_conc, max_budget = max(args.service_concurrency), max(args.budgets)
+    stack = argparse.Namespace(
+        stack="up", target=f"synthetic:kimi-k2-tp8-rank:{args.format}", drafter=DRAFTER, start_timeout=900.0,
+        verify_arg=[f"--max-running={max_conc}", f"--max-budget={max_budget}", "--ar-below-acceptance=0",
+                    f"--tokens-per-step={max_conc * (max_budget + 1)}", f"--max-top-k={max_budget}",
+                    f"--num-pages={args.num_pages}"],
+        up_arg=["--no-http", "--device=cuda"])
+    t0 = time.perf_counter()
+    proc, address = start_stack(stack, env, out / "kimi_up.log")
+    report("", f"## through the three services (`ddtree up`, one GPU): started in {time.perf_counter() - t0:.0f} s "
+               f"(build, graph capture, warm-up); {args.max_tokens} tokens per request (ignore_eos), built-in "
+               "prompts; closed loop, 2 x concurrency requests per level")
+    results, base = [], LoadTestConfig(options=GenerateOptions(max_tokens=args.max_tokens, ignore_eos=True))
+    try:
+        channel = open_channel(address)
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        server = describe_server(stub)
+        for mode, budget, conc in cells(args, args.service_concurrency):
+            config = dataclasses.replace(base, tag=f"b{budget}", num_requests=max(3, 2 * conc),
+                                         options=dataclasses.replace(base.options, budget=budget))
+            result, _ = run_level(stub, config, mode, conc)
+            results.append(result)
+            print(f"services {mode}{budget or ''} c{conc}: {result.agg_tok_s:.1f} tok/s", flush=True)
+        channel.close()
+    finally:
+        stop(proc)
+    report(*level_table(results, server).splitlines())
+    collector.write(trace_file)
+    reports = summarize(step_breakdowns(load_otlp_file(str(trace_file)), ("level",)), with_all=False)
+    report("", "## the service steps, traced (verify's step span; draft/tree_build/accept are peer round trips: "
+               "transport_ms = client wall - the peer's own server_ms); groups = b<budget>-<mode>-c<conc>",
+           *format_table(reports, ("cell",)).splitlines())
+    return {r.group: r for r in reports}
+
+
 # ---- projections and summary --------------------------------------------------------------------
 def projections(report: Report, results: list[dict], traced: dict) -> dict:
     report("", "## projected decode speed = tau x 1000 / step_ms, step_ms = the traced decode step's mean "
@@ -322,11 +378,13 @@ def main() -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", required=True, help="result file")
     ap.add_argument("--format", default="int4", choices=sorted(synthetic.FORMATS), help="the rank's weight storage")
-    ap.add_argument("--parts", default="verify,engine", help="comma list of verify, engine")
+    ap.add_argument("--parts", default="verify,engine", help="comma list of verify, engine, services")
     ap.add_argument("--routers", default="random,zipf", help="routers of the verify part (engine: random)")
     ap.add_argument("--modes", default="ar,chain,ddtree", type=lambda s: s.split(","))
     ap.add_argument("--concurrency", default="1,4,16,64", type=lambda s: [int(v) for v in s.split(",")])
     ap.add_argument("--budgets", default="8,16,32,64", type=lambda s: [int(v) for v in s.split(",")])
+    ap.add_argument("--service-concurrency", default="1,4,16", type=lambda s: [int(v) for v in s.split(",")],
+                    help="levels of the services part")
     ap.add_argument("--max-tokens", type=int, default=24, help="tokens per request")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--num-pages", type=int, default=2048, help="KV pages of 64 tokens")
@@ -351,7 +409,7 @@ def main() -> int:
     verify_rows: dict = {}
     routers = [r for r in args.routers.split(",") if r != "random"] + ["random"]  # the engine's router last
     target = None
-    for router in routers if "verify" in parts else ["random"]:
+    for router in (routers if "verify" in parts else ["random"]) if parts & {"verify", "engine"} else []:
         if target is not None:
             target = None
             gc.collect()  # the graphs and the model hold each other: free them before the next build
@@ -361,12 +419,10 @@ def main() -> int:
         if "verify" in parts:
             verify_rows[router] = part_verify(report, target, router, bandwidth, args, first=not verify_rows)
     summary = {}
-    rank = RankBytes(target.model)
-    cfg = target.model.cfg
-    ar_floor = rank.floor_ms(verify_rows.get("random", {}).get((1, 1), (0, 0, 1.0))[2], bandwidth) \
-        + allreduce_ms(1, cfg.hidden_size, cfg.num_hidden_layers, args)
-    drafter_bytes = None
     if "engine" in parts:
+        rank, cfg = RankBytes(target.model), target.model.cfg
+        ar_floor = rank.floor_ms(verify_rows.get("random", {}).get((1, 1), (0, 0, 1.0))[2], bandwidth) \
+            + allreduce_ms(1, cfg.hidden_size, cfg.num_hidden_layers, args)
         results, traced = part_engine(report, target, args)
         best = projections(report, results, traced)
         dcfg = sources.drafter_config(DRAFTER)
@@ -391,6 +447,11 @@ def main() -> int:
         report("", f"# floors: ar step at concurrency 1 = {ar_floor:.3f} ms (the rank's bytes at 1 token incl. "
                    f"the LM head shard, + the all-reduce estimate); draft = {drafter_bytes / 2**30:.2f} GiB "
                    f"(its weights + the 163840-row LM head, drafter on its own GPU) / bandwidth = {draft_floor:.3f} ms")
+    if "services" in parts:  # its own processes: this one's models go first
+        target = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        part_services(report, args)
     if summary:
         report("", "summary: " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                         for k, v in summary.items()))

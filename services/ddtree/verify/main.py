@@ -18,13 +18,17 @@ import logging
 import os
 import threading
 
+from ddtree.engine.budget import BudgetPolicy
+
 DEFAULT_PORT = 50051
 
 
 def add_serve_parser(serve_subparsers) -> argparse.ArgumentParser:
+    from ddtree import cli
+
     p = serve_subparsers.add_parser(
         "verify", help="the target model, decode engine and public Generation API",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__, formatter_class=cli.RawDescriptionDefaultsHelpFormatter)
     add_verify_arguments(p)
     p.set_defaults(func=run)
     return p
@@ -82,6 +86,9 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
                         f"tokens; {CPU_TOKENS_PER_STEP} on CPU, where its cost grows with every token)")
     s.add_argument("--min-budget", type=int, default=4, help="budget policy: smallest per-request budget")
     s.add_argument("--max-budget", type=int, default=256, help="largest tree budget (policy and clients)")
+    s.add_argument("--ar-below-acceptance", type=float, default=BudgetPolicy.ar_below_acceptance,
+                   help="budget policy: a request whose mean acceptance stays below this after "
+                        f"{BudgetPolicy.ar_after_steps} steps continues as ar (0: never)")
     s.add_argument("--max-top-k", type=int, default=64, help="K of the drafter's top-k (capped by the budget)")
     s.add_argument("--prefill-tokens-per-step", type=int, default=8192,
                    help="prompt tokens prefilled between two decode steps (at least one prompt)")
@@ -108,7 +115,6 @@ def handler_threads(args) -> int:
 
 
 def engine_config(args, device: str = "cpu"):
-    from ddtree.engine.budget import BudgetPolicy
     from ddtree.engine.engine import EngineConfig
     from ddtree.engine.scheduler import SchedulerConfig
 
@@ -118,7 +124,7 @@ def engine_config(args, device: str = "cpu"):
         budget=BudgetPolicy(tokens_per_step=(default_tokens_per_step(device) if args.tokens_per_step is None
                                              else args.tokens_per_step),
                             min_budget=min(args.min_budget, args.max_budget),
-                            max_budget=args.max_budget),
+                            max_budget=args.max_budget, ar_below_acceptance=args.ar_below_acceptance),
         max_tokens_limit=args.max_tokens_limit, default_max_tokens=min(args.default_max_tokens, args.max_tokens_limit),
         max_top_k=args.max_top_k, reattach_after_s=args.reattach_after_s,
         prefill_tokens_per_step=args.prefill_tokens_per_step)
