@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ddtree import __version__
+from ddtree.cli import Parser, exit_quietly_on_broken_pipe
 from ddtree_client.channel import DEFAULT_TARGET, open_channel
 from ddtree_client.generate import MODES, GenerateOptions
 from ddtree_client.slo import SLO
@@ -139,7 +140,7 @@ def run_loadtest(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ddtree-client",
         description="Client of a running ddtree-serve deployment.")
     parser.add_argument("--version", action="version", version=f"ddtree-client {__version__}")
@@ -196,10 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # inside the try: a reader that left shows here, not at exit
+        return code
     except KeyboardInterrupt:
         print("ddtree-client: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return exit_quietly_on_broken_pipe()
 
 
 if __name__ == "__main__":

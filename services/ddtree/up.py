@@ -47,14 +47,21 @@ DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible API's port (vLLM's and SGLang'
 # The module of each `ddtree serve NAME` (a service whose module is missing is left out).
 SERVICES = {"verify": "ddtree.verify.main", "drafter": "ddtree.drafter.main", "treebuild": "ddtree.treebuild.main",
             "http": "ddtree.http.main"}
+# What each service does before it reports SERVING (the progress lines of `ddtree up`).
+STARTUP_PHASES = {"treebuild": "kernels and transport self-test",
+                  "drafter": "loading the drafter, transport self-test, CUDA graph capture on a GPU",
+                  "verify": "loading the target, attaching the peers, warm-up and CUDA graph capture on a GPU",
+                  "http": "tokenizer and chat template, waiting for verify"}
 ANY_ADDRESS = ("0.0.0.0", "::", "[::]")
 OWN_LINE_WAIT_S = 5.0  # a child's "NAME listening on" line may reach us just after its health check
 TOKEN_ENV = "DDTREE_TRANSPORT_TOKEN"  # ddtree.transport.endpoint.TOKEN_ENV (not imported: that pulls in torch)
 
 
 def add_up_parser(subparsers) -> argparse.ArgumentParser:
+    from ddtree import cli
+
     p = subparsers.add_parser("up", help="start verify + drafter + tree-build sidecar + HTTP API on this host",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__, formatter_class=cli.RawDescriptionDefaultsHelpFormatter)
     add_up_arguments(p)
     p.set_defaults(func=functools.partial(run_checked, p))
     return p
@@ -119,9 +126,41 @@ def resolve_models(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         if not args.demo:
             print(f"ddtree up: no --target/--drafter given: serving the bundled demo pair ({target.parent}); "
                   "pass --target and --drafter for your checkpoints", file=sys.stderr, flush=True)
+    for flag, path in (("--target", args.target), ("--drafter", args.drafter)):
+        if problem := checkpoint_problem(path):
+            parser.error(f"{flag} {path}: {problem}")
     if args.device is None:
         args.device = "cpu" if args.demo else "auto"
     return args
+
+
+SYNTHETIC_PREFIX = "synthetic:"  # ddtree.models.synthetic.PREFIX (not imported: that pulls in torch)
+
+
+def checkpoint_problem(path: str) -> str:
+    """Why `path` cannot be a checkpoint (checked before any process starts), or "" when it can."""
+    if path.startswith(SYNTHETIC_PREFIX):
+        return ""  # built at load time; its name is checked there
+    folder = Path(path)
+    if not folder.is_dir():
+        return "no such directory" if not folder.exists() else "not a directory"
+    if not (folder / "config.json").is_file():
+        return "no config.json there (a Hugging Face checkpoint directory has one)"
+    if not any(folder.glob("*.safetensors")):
+        return "no *.safetensors weights there"
+    return ""
+
+
+def verify_kv_tokens(args: argparse.Namespace) -> tuple[int, int]:
+    """(KV cache tokens, page size) of the verify service `args` start (its --num-pages and
+    --page-size, from --verify-arg or its defaults): the drafter's context cache is sized to hold
+    as much, not a fixed size."""
+    from ddtree.verify.main import add_verify_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_verify_arguments(parser)
+    verify, _ = parser.parse_known_args(["--target", args.target, *args.verify_arg])
+    return verify.num_pages * verify.page_size, verify.page_size
 
 
 def run_checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -202,8 +241,10 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
         services.append(("treebuild", tb, ["--host", "127.0.0.1", "--port", tb.rsplit(":", 1)[1],
                                            "--device", sidecar_device]))
     dr = f"127.0.0.1:{free_port()}"
+    cache_tokens, page_size = verify_kv_tokens(args)
     services.append(("drafter", dr, ["--drafter", args.drafter, "--target", args.target, "--host", "127.0.0.1",
                                      "--port", dr.rsplit(":", 1)[1], "--device", sidecar_device,
+                                     "--cache-tokens", str(cache_tokens), "--page-size", str(page_size),
                                      *(["--eager"] if args.eager else [])]))
     if args.port == 0:  # "any port": choose it here, so the endpoint printed and health-checked is the real one
         args.port = free_port(loopback(args.host))
@@ -313,6 +354,8 @@ def run(args: argparse.Namespace) -> int:
             return child
 
         for name, endpoint, serve_args in plan(args):
+            print(f"ddtree up: starting {name}: {STARTUP_PHASES[name]} ...", flush=True)
+            started = time.monotonic()
             children.append(start(name, endpoint, serve_args))
             try:
                 wait_serving(children[-1], args.startup_timeout_s)
@@ -320,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
                 if demo:
                     _show_tail(children[-1])
                 raise
+            print(f"ddtree up: {name} ready in {time.monotonic() - started:.1f} s", flush=True)
             if stop.is_set():
                 raise KeyboardInterrupt
         for child in children:

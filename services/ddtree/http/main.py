@@ -19,13 +19,12 @@ DEFAULT_PORT = 8000
 DEFAULT_VERIFY = "127.0.0.1:50051"
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The docstring as written, and every option's default."""
-
-
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    from ddtree.cli import RawDescriptionDefaultsHelpFormatter
+
     p = subparsers.add_parser("http", help="the OpenAI-compatible HTTP API and /metrics over the verify service",
-                              description=__doc__, formatter_class=_HelpFormatter)
+                              description=__doc__,
+                              formatter_class=RawDescriptionDefaultsHelpFormatter)
     p.add_argument("--verify", default=DEFAULT_VERIFY, metavar="HOST:PORT", help="the verify service's Generation API")
     p.add_argument("--target", required=True, metavar="DIR", default=argparse.SUPPRESS,
                    help="the target checkpoint the verify service runs (tokenizer, tokenizer_config.json)")
