@@ -3,8 +3,8 @@
 The target is `synthetic:kimi-k2-tp8-rank[:FORMAT]` (rank 0 of 8: 61 layers, 8 heads, 48 of 384
 experts, the vocab shard; random weights in the storage format; all-reduces skipped, their cost
 estimated separately) and the drafter `synthetic:kimi-k2.5-dflash` (~3.5 B parameters, block 8,
-its own 163840-row embedding and LM head), both in this process (the in-process engine: draft,
-tree build and accept on this GPU, no transport). Random weights accept nothing, so every step
+its own 163840-row embedding and LM head), on one GPU: in this process (parts verify, profile,
+engine) or as the three services (part services). Random weights accept nothing, so every step
 is one token; the step's cost is what is measured, and decode speed is projected with acceptance
 lengths taken from elsewhere (stated). Parts:
 
@@ -17,20 +17,28 @@ lengths taken from elsewhere (stated). Parts:
            agg and per-request tok/s, ms per step, and the step's attribution by component
            (draft, tree_build, verify, accept, commit, other; GPU from CUDA events vs host).
 
+  profile  every kernel of the 1 x 1 verify replay, by category (count, ms, share).
+  services one `ddtree up` stack (verify, drafter service, tree-build sidecar on this GPU),
+           every step traced to a collector: the cells through the public gRPC API.
+
     python benchmarks/bench_kimi_rank.py --out benchmarks/results/h200/kimi_rank_step.txt \
-        [--format int4] [--parts verify,engine] [--concurrency 1,4,16,64] [--budgets 8,16,32,64]
+        [--format int4] [--parts verify,profile,engine,services] [--concurrency 1,4,16,64] [--budgets 8,16,32,64]
 
 The file ends with
 `summary: verify_share_c1=.. draft_share_c1=.. sidecar_share_c1=.. ar_step_over_floor_c1=..
  draft_over_floor_c1=.. step_ms_c1_ddtree16=.. best_budget_c1=.. best_budget_c64=..`
-(shares of the ddtree-16 step at concurrency 1, in process: sidecar = tree_build + accept + other,
-transport 0; best budget = the ddtree budget with the most projected tok/s per level).
+(shares of the ddtree-16 step at concurrency 1, through the services when that part ran, else
+in process; sidecar = tree_build + accept + transport + other, transport = the peer round trips'
+transport time; the rank's floor = its weight bytes at 1 token over the measured copy bandwidth
+plus the all-reduce estimate; the draft's floor = the drafter's weights and LM head over the same
+bandwidth; best budget = the ddtree budget with the most projected tok/s at that level).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import os
+import re
 import statistics
 import sys
 import threading
@@ -61,11 +69,21 @@ PREFIX = 512
 # are the orders nccl-tests' all_reduce_perf reports on 8x H100/H200 NVSwitch hosts
 # (https://github.com/NVIDIA/nccl-tests); override with --allreduce-us / --allreduce-busbw.
 ALLREDUCE_US, ALLREDUCE_BUSBW = 15.0, 360e9
-# Acceptance lengths for the projections: the bundled pair's measured ones (step_graphs.txt, in-process
-# engine, concurrency 1: ddtree budget-policy default 5.57, chain 3.40) and the published
-# Kimi-K2.5-DFlash chain figure (~5.3 on HumanEval at block 8, z-lab model card).
-TAU_BUNDLED = {"ar": 1.0, "chain": 3.40, "ddtree": 5.57}
+# Acceptance lengths for the projections: (a) the bundled pair's, measured by mode and budget
+# (benchmarks/bundled_acceptance.py; greedy acceptance does not depend on the device), and (b) the
+# published Kimi-K2.5-DFlash chain figure (~5.3 on HumanEval at block 8, z-lab's model card).
+TAU_FILE = Path(__file__).resolve().parent / "results" / "cpu" / "bundled_acceptance.txt"
 TAU_PUBLISHED_CHAIN = 5.3
+
+
+def bundled_tau(path: Path = TAU_FILE) -> dict[str, float]:
+    """cell label ("chain", "ddtree16") -> acceptance length, from bundled_acceptance.txt; ar 1."""
+    tau = {"ar": 1.0}
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and not line.startswith("#") and parts[0] != "cell":
+            tau[parts[0]] = float(parts[1])
+    return tau
 
 
 def el(p: torch.Tensor) -> int:
@@ -204,6 +222,45 @@ def part_verify(report: Report, target: LocalTarget, router: str, bandwidth: flo
     for s in seqs:
         model.cache.release(s)
     return out
+
+
+# ---- profile part -------------------------------------------------------------------------------
+CATEGORIES = (  # (label, substrings of kernel names), first match wins
+    ("routed experts (fused MoE)", ("_quant_gemm", "_moe_", "_splitk_reduce", "_quantize_fp8")),
+    ("dense GEMM/GEMV (bf16)", ("nvjet", "gemv", "gemm", "cutlass", "xmma", "sgemm")),
+    ("attention", ("decode_cluster", "verify_cluster", "_decode_fwd", "_verify_fwd", "attn", "wgmma")),
+    ("routing top-k / sort", ("topk", "sort", "Sort", "TopK")),
+    ("norms and reductions", ("reduce_kernel", "norm")),
+    ("copies, casts, index", ("copy", "index", "cat", "gather", "scatter", "fill")),
+    ("other elementwise", ("elementwise", "Functor", "activation")),
+)
+
+
+def part_profile(report: Report, target: LocalTarget, args) -> None:
+    """Every kernel of the 1 x 1 verify replay (61 layers) by category: where the ar step's GPU time goes."""
+    from bench_step_graphs import gpu_events
+
+    model, graphs = target.model, target.graphs
+    seq = 20_000
+    model.cache.add_sequence(seq)
+    model.cache.reserve([seq], PREFIX + 8)
+    model.cache.advance(seq, PREFIX)
+    root, tokens, depths, mask = random_trees(1, 1, model.vocab_local, torch.Generator().manual_seed(3))
+    graphs.verify([seq], root, tokens, depths, mask)
+    iters = 5
+    events = gpu_events(graphs.graphs[(1, 1)].replay, iters)
+    model.cache.release(seq)
+    total = sum(us for _, us in events) / iters
+    by_cat: dict[str, list[float]] = {}
+    for name, us in events:
+        cat = next((label for label, keys in CATEGORIES if any(k in name for k in keys)), "unclassified")
+        by_cat.setdefault(cat, []).append(us / iters)
+    report("", f"## the 1 x 1 verify replay by kernel category: {len(events) / iters:.0f} kernels per replay "
+               f"({len(events) / iters / model.cfg.num_hidden_layers:.1f} per layer), {total / 1e3:.3f} ms of kernel time",
+           f"{'category':<28} {'kernels':>7} {'ms':>7} {'share':>6} {'us/kernel':>9}")
+    for cat, times in sorted(by_cat.items(), key=lambda kv: -sum(kv[1])):
+        report(f"{cat:<28} {len(times) / iters:>7.0f} {sum(times) / 1e3:>7.3f} {100 * sum(times) / total:>5.1f}% "
+               f"{sum(times) / max(len(times) / iters, 1):>9.1f}")
 
 
 # ---- engine part --------------------------------------------------------------------------------
@@ -352,25 +409,56 @@ def part_services(report: Report, args) -> dict:
 
 
 # ---- projections and summary --------------------------------------------------------------------
-def projections(report: Report, results: list[dict], traced: dict) -> dict:
+def projections(report: Report, steps: dict[str, float], tau_path: Path = TAU_FILE) -> dict[int, int]:
+    """Projected decode speed from each cell's traced step mean (`steps`: "<mode>[budget]-c<conc>" ->
+    ms); returns the ddtree budget with the most projected tok/s per concurrency."""
+    tau = bundled_tau(tau_path)
     report("", "## projected decode speed = tau x 1000 / step_ms, step_ms = the traced decode step's mean "
                "(PROJECTIONS: random weights accept nothing here)",
-           "# tau (a): the bundled pair's measured acceptance at concurrency 1 (ar 1, chain 3.40, ddtree 5.57, the "
-           "budget policy's default trees); (b) chain: Kimi-K2.5-DFlash's published ~5.3 (HumanEval, block 8); "
-           "ddtree (b) is not projected (no published tree figure)",
-           f"{'cell':>12} {'step_ms':>8} {'req_tok/s(a)':>12} {'agg_tok/s(a)':>12} {'req_tok/s(b)':>12}")
+           f"# tau (a): the bundled pair's measured acceptance by mode and budget ({tau_path.name}: "
+           + ", ".join(f"{k} {v:.2f}" for k, v in tau.items()) + "); (b) chain: Kimi-K2.5-DFlash's published ~5.3 "
+           "(HumanEval, block 8); ddtree (b) is not projected (no published tree figure)",
+           f"{'cell':>12} {'step_ms':>8} {'tau(a)':>6} {'req_tok/s(a)':>12} {'agg_tok/s(a)':>12} {'req_tok/s(b)':>12}")
     best: dict[int, tuple[float, int]] = {}
-    for r in results:
-        tau = TAU_BUNDLED[r["mode"]]
-        step = traced[r["label"]].step_mean_ms if r["label"] in traced else r["step_ms"]
-        req = tau * 1000 / step
-        b = TAU_PUBLISHED_CHAIN * 1000 / step if r["mode"] == "chain" else float("nan")
-        report(f"{r['label']:>12} {step:>8.2f} {req:>12.1f} {req * r['conc']:>12.1f} {b:>12.1f}")
-        if r["mode"] == "ddtree" and req > best.get(r["conc"], (0.0, 0))[0]:
-            best[r["conc"]] = (req, r["budget"])
+    for label, step in steps.items():
+        cell, conc = label.rsplit("-c", 1)
+        mode, conc = cell.rstrip("0123456789"), int(conc)
+        t = tau[cell]
+        req = t * 1000 / step
+        b = TAU_PUBLISHED_CHAIN * 1000 / step if mode == "chain" else float("nan")
+        report(f"{label:>12} {step:>8.2f} {t:>6.2f} {req:>12.1f} {req * conc:>12.1f} {b:>12.1f}")
+        if mode == "ddtree" and req > best.get(conc, (0.0, 0))[0]:
+            best[conc] = (req, int(cell[len(mode):]))
     report("# published decode on 8x H200 for comparison: SGLang DeepSeek-R1 FP8, 12.8 ms per token at "
-           "concurrency 8 (see ../shared/DESIGN.md); note the budget that projects best is only as good as tau (a)")
+           "concurrency 8 (see ../shared/DESIGN.md); tau (a) comes from a 4-layer toy pair, so the best budget "
+           "is only indicative")
     return {c: b for c, (_, b) in best.items()}
+
+
+def step_summary(ddtree16, ar, ar_floor: float, draft_floor: float, best: dict[int, int]) -> dict:
+    """The issue's summary keys from the traced ddtree-16 and ar cells at concurrency 1 (GroupReports):
+    transport is every peer round trip's transport_ms (0 in process), taken out of draft, tree_build
+    and accept; sidecar = tree_build + accept + transport + other."""
+    rows = {r.component: r for r in ddtree16.rows} if ddtree16 else {}
+    step = ddtree16.step_mean_ms if ddtree16 else float("nan")
+    wall = lambda n: rows[n].mean_ms if n in rows else 0.0  # noqa: E731
+    moved = lambda n: rows[n].transport_ms if n in rows else 0.0  # noqa: E731
+    transport = sum(moved(n) for n in ("draft", "tree_build", "accept"))
+    draft = wall("draft") - moved("draft")
+    sidecar = wall("tree_build") + wall("accept") - moved("tree_build") - moved("accept") + transport + wall("other")
+    return {"verify_share_c1": wall("verify") / step, "draft_share_c1": draft / step,
+            "sidecar_share_c1": sidecar / step,
+            "ar_step_over_floor_c1": ar.step_mean_ms / ar_floor if ar else float("nan"),
+            "draft_over_floor_c1": draft / draft_floor, "step_ms_c1_ddtree16": step,
+            "best_budget_c1": best.get(1, 0), "best_budget_c64": best.get(64, 0)}
+
+
+def traced_steps(text: str) -> dict[str, float]:
+    """The traced step means of a results file: "cell=<label>: N steps, step ms mean X" lines."""
+    out = {}
+    for m in re.finditer(r"^cell=([a-z]+\d*-c\d+): \d+ steps, step ms mean ([\d.]+)", text, re.M):
+        out[m.group(1)] = float(m.group(2))
+    return out
 
 
 def main() -> int:
@@ -378,7 +466,7 @@ def main() -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", required=True, help="result file")
     ap.add_argument("--format", default="int4", choices=sorted(synthetic.FORMATS), help="the rank's weight storage")
-    ap.add_argument("--parts", default="verify,engine", help="comma list of verify, engine, services")
+    ap.add_argument("--parts", default="verify,engine", help="comma list of verify, profile, engine, services")
     ap.add_argument("--routers", default="random,zipf", help="routers of the verify part (engine: random)")
     ap.add_argument("--modes", default="ar,chain,ddtree", type=lambda s: s.split(","))
     ap.add_argument("--concurrency", default="1,4,16,64", type=lambda s: [int(v) for v in s.split(",")])
@@ -392,7 +480,13 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the engine part's logic at test shapes")
     ap.add_argument("--allreduce-us", type=float, default=ALLREDUCE_US, help="estimated all-reduce latency")
     ap.add_argument("--allreduce-busbw", type=float, default=ALLREDUCE_BUSBW, help="estimated bus bandwidth, B/s")
+    ap.add_argument("--reproject", metavar="FILE", default=None,
+                    help="only print the projections from the traced steps recorded in FILE (no GPU)")
     args = ap.parse_args()
+    if args.reproject:
+        best = projections(Report("/dev/null"), traced_steps(Path(args.reproject).read_text()))
+        print(f"best_budget_c1={best.get(1, 0)} best_budget_c64={best.get(64, 0)}")
+        return 0
     parts = set(args.parts.split(","))
     commit = os.environ.get("REPO_COMMIT", "unknown")
     report = Report(args.out)
@@ -409,7 +503,7 @@ def main() -> int:
     verify_rows: dict = {}
     routers = [r for r in args.routers.split(",") if r != "random"] + ["random"]  # the engine's router last
     target = None
-    for router in (routers if "verify" in parts else ["random"]) if parts & {"verify", "engine"} else []:
+    for router in (routers if "verify" in parts else ["random"]) if parts & {"verify", "engine", "profile"} else []:
         if target is not None:
             target = None
             gc.collect()  # the graphs and the model hold each other: free them before the next build
@@ -418,32 +512,23 @@ def main() -> int:
         target = load_target(args.format, router, buckets, args, report)
         if "verify" in parts:
             verify_rows[router] = part_verify(report, target, router, bandwidth, args, first=not verify_rows)
-    summary = {}
+        if "profile" in parts and router == "random":
+            part_profile(report, target, args)
+    summary, floors = {}, None
     if "engine" in parts:
         rank, cfg = RankBytes(target.model), target.model.cfg
         ar_floor = rank.floor_ms(verify_rows.get("random", {}).get((1, 1), (0, 0, 1.0))[2], bandwidth) \
             + allreduce_ms(1, cfg.hidden_size, cfg.num_hidden_layers, args)
         results, traced = part_engine(report, target, args)
-        best = projections(report, results, traced)
+        best = projections(report, {label: r.step_mean_ms for label, r in traced.items()})
         dcfg = sources.drafter_config(DRAFTER)
         with torch.device("meta"):  # the drafter's bytes, from its shapes
             embed = torch.empty(dcfg.vocab_size, dcfg.hidden_size, dtype=torch.bfloat16)
             draft_model = DFlashDrafter(dcfg, embed_tokens=embed, lm_head=embed).to(torch.bfloat16)
         drafter_bytes = synthetic.weight_bytes(draft_model) + el(embed)  # own weights + the LM head
         draft_floor = drafter_bytes / bandwidth * 1e3
-        c1 = traced.get("ddtree16-c1")
-        comps = {row.component: row for row in c1.rows} if c1 else {}
-        step = c1.step_mean_ms if c1 else float("nan")
-        share = lambda *names: sum(comps[n].share for n in names if n in comps)  # noqa: E731
-        ar_c1 = traced.get("ar-c1")
-        summary = {
-            "verify_share_c1": share("verify"), "draft_share_c1": share("draft"),
-            "sidecar_share_c1": share("tree_build", "accept", "transport", "other"),
-            "ar_step_over_floor_c1": (ar_c1.step_mean_ms / ar_floor) if ar_c1 else float("nan"),
-            "draft_over_floor_c1": (comps["draft"].mean_ms / draft_floor) if "draft" in comps else float("nan"),
-            "step_ms_c1_ddtree16": step,
-            "best_budget_c1": best.get(1, 0), "best_budget_c64": best.get(64, 0),
-        }
+        floors = (ar_floor, draft_floor)
+        summary = step_summary(traced.get("ddtree16-c1"), traced.get("ar-c1"), *floors, best)
         report("", f"# floors: ar step at concurrency 1 = {ar_floor:.3f} ms (the rank's bytes at 1 token incl. "
                    f"the LM head shard, + the all-reduce estimate); draft = {drafter_bytes / 2**30:.2f} GiB "
                    f"(its weights + the 163840-row LM head, drafter on its own GPU) / bandwidth = {draft_floor:.3f} ms")
@@ -451,7 +536,10 @@ def main() -> int:
         target = None
         gc.collect()
         torch.cuda.empty_cache()
-        part_services(report, args)
+        served = part_services(report, args)
+        if summary:  # the issue's shares are those of the three services: theirs replace the in-process ones
+            summary = step_summary(served.get("b16-ddtree-c1"), served.get("b0-ar-c1"), *floors,
+                                   {1: summary["best_budget_c1"], 64: summary["best_budget_c64"]})
     if summary:
         report("", "summary: " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                         for k, v in summary.items()))
