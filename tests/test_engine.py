@@ -8,6 +8,7 @@ that the third token (chosen by the tree walk) follows the target's exact distri
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -125,6 +126,51 @@ def test_greedy_speculation_equals_ar_with_concurrent_clients_and_mixed_modes(en
             mean = sum(r[2].mean_acceptance_length for r in results) / len(results)
             assert mean > 1.3, f"trees over a 32-token vocabulary should often accept >= 2 tokens, got {mean}"
             assert any(max(c.accepted_length for c in r[1][1:]) >= 3 for r in results), "no multi-node path accepted"
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(models):
+    """prefill_tokens_per_step 16: a 100-token prompt takes 7 chunks, one per loop turn, and the
+    running request decodes between them; both outputs equal the oracle's (greedy), and a seeded
+    sampled request equals the same request prefilled in one piece."""
+    calls = []
+    eng = build_local_engine(ModelSetup(target=str(models[0]), drafter=str(models[1])), CONFIG)
+    prefill, verify = eng.target.prefill, eng.target.verify
+    eng.target.prefill = lambda seq, chunk, *a, **kw: calls.append(("prefill", seq, len(chunk))) or \
+        prefill(seq, chunk, *a, **kw)
+    eng.target.verify = lambda seq_ids, *a, **kw: calls.append(("verify", tuple(seq_ids))) or verify(seq_ids, *a, **kw)
+    eng.start()
+    try:
+        short, long_prompt = [3, 1, 4], [(7 * i + 3) % (VOCAB - 2) for i in range(100)]
+        running = eng.submit(spec(eng, short, "ar", 40))
+        first = next(iter(running))  # decoding before the long prompt arrives
+        results = run_concurrently(eng, [spec(eng, long_prompt, mode, 12) for mode in ("ddtree", "ar")])
+        rest, _, _ = collect(running)
+        kw = dict(temperature=0.9, seed=3)
+        sampled = collect(eng.submit(spec(eng, long_prompt, "ddtree", 12, **kw)))[0]
+    finally:
+        eng.stop()
+    assert first.token_ids + rest == ar_reference(models[0], short, 40)
+    want = ar_reference(models[0], long_prompt, 12)
+    assert [r[0] for r in results] == [want, want]
+    short_seq = calls[0][1]
+    prefills = [c for c in calls if c[0] == "prefill"]
+    long_seqs = list(dict.fromkeys(c[1] for c in prefills if c[1] != short_seq))  # in prefill order
+    assert len(long_seqs) == 3
+    for n, seq in enumerate(long_seqs):  # the 16-token budget of a loop turn is shared by the prompts in line
+        chunks = [i for i, c in enumerate(calls) if c[:2] == ("prefill", seq)]
+        sizes = [calls[i][2] for i in chunks]
+        assert sum(sizes) == 100 and max(sizes) <= 16 and len(sizes) >= 7, sizes
+        if n < 2:  # the two that arrived while the short request was running
+            between = [c for c in calls[chunks[0]:chunks[-1]] if c[0] == "verify" and short_seq in c[1]]
+            assert len(between) >= len(chunks) - 1, "the running request did not decode between the chunks"
+    whole = build_local_engine(ModelSetup(target=str(models[0]), drafter=str(models[1])),
+                               dataclasses.replace(CONFIG, prefill_tokens_per_step=1024)).start()
+    try:
+        assert collect(whole.submit(spec(whole, long_prompt, "ddtree", 12, **kw)))[0] == sampled
+    finally:
+        whole.stop()
+    with pytest.raises(ValueError, match="prefill_tokens_per_step must be >= 1, got 0"):
+        EngineConfig(prefill_tokens_per_step=0)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])

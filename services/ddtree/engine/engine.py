@@ -56,10 +56,11 @@ class TargetRunner(Protocol):
     max_context: int
     tp_size: int
 
-    def prefill(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
-                samplers: Sequence[tuple[SamplingParams, int]]
-                ) -> tuple[list[int], list[torch.Tensor]]:
-        """Fills each sequence's cache with its prompt; first tokens and prompt features [n_i, F]."""
+    def prefill(self, seq_id: int, chunk: Sequence[int], sampler: tuple[SamplingParams, int], *,
+                start: int, final: bool) -> tuple[int | None, torch.Tensor | None]:
+        """Appends prompt tokens [start, start + len(chunk)) to a sequence's cache (start 0 adds
+        the sequence). Returns (the first generated token when `final`, else None; the chunk's
+        features [len(chunk), F], None without feature layers)."""
 
     def verify(self, seq_ids: Sequence[int], roots: torch.Tensor, trees: TreeBatch,
                samplers: Sequence[tuple[SamplingParams, int]]
@@ -79,9 +80,13 @@ class EngineConfig:
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256
     max_top_k: int = 64            # K of the drafter's top-k for ddtree: min(budget, max_top_k, vocab)
-    prefill_tokens_per_step: int = 8192  # prompt tokens prefilled between two decode steps (>= 1 prompt)
+    prefill_tokens_per_step: int = 8192  # prompt tokens prefilled between two decode steps (chunks of a prompt)
     reattach_after_s: float = 5.0  # how long a failed peer is bypassed before new work tries it again
     idle_wait_s: float = 0.05
+
+    def __post_init__(self):
+        if self.prefill_tokens_per_step < 1:
+            raise ValueError(f"prefill_tokens_per_step must be >= 1, got {self.prefill_tokens_per_step}")
 
 
 # ---- what the caller receives --------------------------------------------------------------------
@@ -139,6 +144,8 @@ class _Request:
     bonus: int = -1                    # last committed token, not yet in the target's cache
     position: int = 0                  # committed cache length = the bonus token's position
     new_features: torch.Tensor | None = None  # features since the last draft (spec modes)
+    prefilled: int = 0                 # prompt tokens in the cache (a long prompt takes several steps)
+    prompt_features: list = field(default_factory=list)  # their features, chunk by chunk (spec modes)
     budget: int = 0
     steps: int = 0
     target_forwards: int = 0
@@ -298,30 +305,44 @@ class Engine:
 
     # ---- prefill ---------------------------------------------------------------------------------
     def _prefill(self) -> bool:
-        """Prefills admitted requests, up to `prefill_tokens_per_step` prompt tokens (at least one
-        prompt) so running requests keep decoding while a burst of long prompts arrives."""
-        done, tokens = False, 0
-        while self._to_prefill and (not done or tokens + len(self._to_prefill[0].spec.prompt_ids)
-                                    <= self.config.prefill_tokens_per_step):
-            req = self._to_prefill.pop(0)
-            if req.finished:  # ended (deadline) between its registration and its submission
-                self.scheduler.finish(req)
+        """Prefills admitted requests in chunks: at most `prefill_tokens_per_step` prompt tokens
+        between two decode steps, so a long prompt delays the running requests by one chunk per
+        step, however long it is. Returns whether anything was prefilled."""
+        left, did = self.config.prefill_tokens_per_step, False
+        while self._to_prefill and left > 0:
+            req = self._to_prefill[0]
+            if req.finished or req.cancelled:  # ended between admission and now: _finish/_reap end it
+                self._to_prefill.pop(0)
+                if req.finished:
+                    self.scheduler.finish(req)
                 continue
-            if req.cancelled:
-                continue  # _reap finishes it
-            first, feats = self.target.prefill([req.seq_id], [req.spec.prompt_ids], [req.sampler])
-            done, tokens = True, tokens + len(req.spec.prompt_ids)
-            req.target_forwards += 1
-            req.bonus, req.position = first[0], len(req.spec.prompt_ids)
-            req.new_features = feats[0] if req.mode is not Mode.AR else None
-            req.last_emit = time.monotonic()
-            req.ttft_ms = (req.last_emit - req.arrival) * 1e3
-            S.mark_first_token(req.span, req.ttft_ms)
-            if self.metrics is not None:
-                self.metrics.first_token(len(req.spec.prompt_ids), req.ttft_ms / 1e3)
-            self._running.append(req)
-            self._emit(req, [first[0]], accepted_length=1)
-        return done
+            prompt = req.spec.prompt_ids
+            n = min(left, len(prompt) - req.prefilled)
+            final = req.prefilled + n == len(prompt)
+            first, feats = self.target.prefill(req.seq_id, prompt[req.prefilled : req.prefilled + n], req.sampler,
+                                               start=req.prefilled, final=final)
+            did, left, req.prefilled = True, left - n, req.prefilled + n
+            if req.mode is not Mode.AR and feats is not None:
+                req.prompt_features.append(feats)
+            if not final:
+                break  # this step's prefill budget is spent: the rest of the prompt after the next step
+            self._to_prefill.pop(0)
+            self._start_decoding(req, first)
+        return did
+
+    def _start_decoding(self, req: _Request, first: int) -> None:
+        """A fully prefilled request: its first token out, decode steps from the next one."""
+        req.target_forwards += 1
+        req.bonus, req.position = first, len(req.spec.prompt_ids)
+        feats, req.prompt_features = req.prompt_features, []
+        req.new_features = (feats[0] if len(feats) == 1 else torch.cat(feats)) if feats else None
+        req.last_emit = time.monotonic()
+        req.ttft_ms = (req.last_emit - req.arrival) * 1e3
+        S.mark_first_token(req.span, req.ttft_ms)
+        if self.metrics is not None:
+            self.metrics.first_token(len(req.spec.prompt_ids), req.ttft_ms / 1e3)
+        self._running.append(req)
+        self._emit(req, [first], accepted_length=1)
 
     # ---- one decode step -------------------------------------------------------------------------
     def _step(self) -> None:

@@ -80,27 +80,27 @@ class LocalTarget:
         return cls(model, name=sources.name(path), max_context=ctx, graphs=graphs)
 
     # ---- TargetRunner ------------------------------------------------------------------------
-    def prefill(self, seq_ids, prompts, samplers):
-        firsts, feats = [], []
-        for seq_id, prompt, (params, seed) in zip(seq_ids, prompts, samplers):
-            tokens = torch.tensor(prompt, dtype=torch.int64)
+    def prefill(self, seq_id, chunk, sampler, *, start, final):
+        tokens = torch.tensor(chunk, dtype=torch.int64)
+        if start == 0:
             self.model.add_sequence(seq_id)
-            if params.greedy or tokens.numel() == 1:
-                out = self.model.prefill(seq_id, tokens, return_logits=not params.greedy)
+        params, seed = sampler
+        end = start + tokens.numel()  # the position of the token the final chunk samples
+        if not final or params.greedy or tokens.numel() == 1:
+            out = self.model.prefill(seq_id, tokens, return_logits=final and not params.greedy)
+            first = None
+            if final:
                 first = int(out.posterior.view(-1)[0]) if params.greedy else \
-                    int(sample_at_positions(out.logits[0, -1:], params, seed, [tokens.numel()])[0])
-                f = out.features[0] if out.features is not None else None
-            else:  # sampled: logits of the last prompt token only (a one-node verify), not of all S
-                head = self.model.prefill(seq_id, tokens[:-1])
-                last = self.model.verify([seq_id], tokens[-1:], torch.empty(1, 0, dtype=torch.int64),
-                                         torch.empty(1, 0, dtype=torch.int64), torch.ones(1, 1, 1, dtype=torch.int64),
-                                         return_logits=True)
-                self.model.commit([seq_id], torch.zeros(1, 1, dtype=torch.int64))
-                first = int(sample_at_positions(last.logits[0], params, seed, [tokens.numel()])[0])
-                f = None if head.features is None else torch.cat([head.features[0], last.features[0]])
-            firsts.append(first)
-            feats.append(f)
-        return firsts, feats
+                    int(sample_at_positions(out.logits[0, -1:], params, seed, [end])[0])
+            return first, (out.features[0] if out.features is not None else None)
+        # sampled: logits of the last prompt token only (a one-node verify), not of the whole chunk
+        head = self.model.prefill(seq_id, tokens[:-1])
+        last = self.model.verify([seq_id], tokens[-1:], torch.empty(1, 0, dtype=torch.int64),
+                                 torch.empty(1, 0, dtype=torch.int64), torch.ones(1, 1, 1, dtype=torch.int64),
+                                 return_logits=True)
+        self.model.commit([seq_id], torch.zeros(1, 1, dtype=torch.int64))
+        first = int(sample_at_positions(last.logits[0], params, seed, [end])[0])
+        return first, (None if head.features is None else torch.cat([head.features[0], last.features[0]]))
 
     def verify(self, seq_ids, roots, trees: TreeBatch, samplers):
         sampled = [not p.greedy for p, _ in samplers]

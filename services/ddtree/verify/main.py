@@ -41,8 +41,16 @@ GPU_TOKENS_PER_STEP = 512
 CPU_TOKENS_PER_STEP = 64
 
 
+GPU_PREFILL_TOKENS_PER_STEP = 8192
+CPU_PREFILL_TOKENS_PER_STEP = 256
+
+
 def default_tokens_per_step(device: str) -> int:
     return GPU_TOKENS_PER_STEP if device.startswith("cuda") else CPU_TOKENS_PER_STEP
+
+
+def default_prefill_tokens_per_step(device: str) -> int:
+    return GPU_PREFILL_TOKENS_PER_STEP if device.startswith("cuda") else CPU_PREFILL_TOKENS_PER_STEP
 
 
 def add_verify_arguments(p: argparse.ArgumentParser) -> None:
@@ -90,8 +98,10 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
                    help="budget policy: a request whose mean acceptance stays below this after "
                         f"{BudgetPolicy.ar_after_steps} steps continues as ar (0: never)")
     s.add_argument("--max-top-k", type=int, default=64, help="K of the drafter's top-k (capped by the budget)")
-    s.add_argument("--prefill-tokens-per-step", type=int, default=8192,
-                   help="prompt tokens prefilled between two decode steps (at least one prompt)")
+    s.add_argument("--prefill-tokens-per-step", type=int, default=None,
+                   help="prompt tokens prefilled between two decode steps; a longer prompt is prefilled in "
+                        "chunks over several steps, so it delays running requests by one chunk per step "
+                        f"(default: {GPU_PREFILL_TOKENS_PER_STEP} on a GPU, {CPU_PREFILL_TOKENS_PER_STEP} on CPU)")
     s.add_argument("--warmup", choices=("auto", "on", "off"), default="auto",
                    help="before reporting SERVING, decode a few synthetic requests at every batch size and mode "
                         "so one-time costs (kernel JIT, library heuristics) are not paid by live requests "
@@ -127,7 +137,8 @@ def engine_config(args, device: str = "cpu"):
                             max_budget=args.max_budget, ar_below_acceptance=args.ar_below_acceptance),
         max_tokens_limit=args.max_tokens_limit, default_max_tokens=min(args.default_max_tokens, args.max_tokens_limit),
         max_top_k=args.max_top_k, reattach_after_s=args.reattach_after_s,
-        prefill_tokens_per_step=args.prefill_tokens_per_step)
+        prefill_tokens_per_step=(default_prefill_tokens_per_step(device) if args.prefill_tokens_per_step is None
+                                 else args.prefill_tokens_per_step))
 
 
 def explicit_buckets(args, config):
