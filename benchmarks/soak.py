@@ -11,7 +11,8 @@ drafter is SIGKILLed at a third of the run and the sidecar at two thirds (`ddtre
 them; verify degrades meanwhile). The verify service's RSS is read after the warm-up and at the
 end. Then each service is SIGKILLed once more (verify too: `ddtree up` restarts it) and the stack
 is stopped with SIGTERM. Reported: greedy mismatches, unexpected status codes, the RSS change,
-and the ddtree shared-memory segments of any child left in /dev/shm.
+and that no process of the stack outlives it (its shared-memory regions are memfds, freed with
+them; named ddtree-* segments in /dev/shm, which older versions made, are counted too).
 """
 from __future__ import annotations
 
@@ -78,6 +79,16 @@ class Up:
 def rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as fh:
         return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def segments() -> list[str]:
@@ -232,16 +243,21 @@ def main() -> int:
     seen_pids |= set(up.pids().values())
     left = [n for n in segments() if n not in before]
     ours = [n for n in left if n.split("-")[2] in {str(p) for p in seen_pids}]
-    say(f"ddtree up exited with {code} after SIGTERM; new ddtree segments in /dev/shm: {len(left)} "
-        f"(of this stack's {len(seen_pids)} pids: {len(ours)})")
-    ok = (soak.mismatches == 0 and not soak.unexpected and abs(change) <= 5.0 and not ours and all(after_kills)
-          and code == 0)
+    alive = [p for p in seen_pids if pid_alive(p)]
+    # shm regions are sealed memfds: they have no name and are freed with the last process that
+    # maps them, so none is left once every process of the stack is gone (named ddtree-* segments
+    # in /dev/shm are only made by older versions)
+    say(f"ddtree up exited with {code} after SIGTERM; of this stack's {len(seen_pids)} processes {len(alive)} "
+        f"alive (shm regions are memfds, freed with them); new ddtree segments in /dev/shm: {len(left)} "
+        f"(of these pids: {len(ours)})")
+    ok = (soak.mismatches == 0 and not soak.unexpected and abs(change) <= 5.0 and not ours and not alive
+          and all(after_kills) and code == 0)
     good = sum(v for k, v in soak.counts.items() if k.startswith("good:"))
     say(f"summary: {'PASS' if ok else 'FAIL'}: {sum(soak.counts.values())} requests ({good} good), "
         f"{soak.mismatches} greedy mismatches vs ar, {len(soak.unexpected)} unexpected status codes"
         f"{' (' + ', '.join(sorted(set(soak.unexpected))) + ')' if soak.unexpected else ''}, "
         f"verify RSS {change:+.1f}% start to end, drafter and sidecar SIGKILLed mid-run, each service "
-        f"SIGKILLed after, {len(ours)} shared-memory segments left")
+        f"SIGKILLed after, {len(alive)} stack processes and {len(ours)} named segments left")
     if args.out:
         with open(args.out, "w") as fh:
             fh.write("\n".join(report) + "\n")
