@@ -115,7 +115,6 @@ def test_bad_requests_are_invalid_argument_and_the_service_keeps_serving(service
     cases = [
         (drafter_pb2.DraftRequest(items=[_item(link, region, "ok", torch.zeros(2, WIDTH + 1), 6)], top_k=K), "context features must be"),
         (drafter_pb2.DraftRequest(items=[_item(link, region, "ok", features(0, 1), 2)], top_k=K), "goes backwards"),
-        (drafter_pb2.DraftRequest(items=[_item(link, region, "ghost", features(2, 1), 9)], top_k=K), "unknown request id"),
         (drafter_pb2.DraftRequest(items=[_item(link, region, "ok", features(1, 1), 5)], top_k=VOCAB + 1), "must be in 1..vocab_size=61"),
         (drafter_pb2.DraftRequest(items=[_item(link, region, "ok", features(1, 1), 5)], top_k=17), "exceeds this drafter's --max-top-k 16"),
         (drafter_pb2.DraftRequest(items=[_item(link, region, "ok", features(1, 1), 5, bonus=-3)], top_k=K), "bonus token outside"),
@@ -129,6 +128,10 @@ def test_bad_requests_are_invalid_argument_and_the_service_keeps_serving(service
             stub.Draft(request, metadata=md)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
         assert message in err.value.details() and "Traceback" not in err.value.details()
+    # A request the drafter holds no context for: NOT_FOUND (the client's DrafterContextLost)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Draft(drafter_pb2.DraftRequest(items=[_item(link, region, "ghost", features(2, 1), 9)], top_k=K), metadata=md)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "unknown request id" in err.value.details()
     # Without the peer metadata the caller is unknown: refused, not crashed.
     with pytest.raises(grpc.RpcError) as err:
         stub.Draft(drafter_pb2.DraftRequest(items=[good], top_k=K))

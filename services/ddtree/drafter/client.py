@@ -18,7 +18,6 @@ import grpc
 import torch
 
 from ddtree.engine.backends import DraftItem, PeerUnavailable, RemotePeer, check_rpc_style
-from ddtree.models.dflash import UNKNOWN_REQUEST
 from ddtree.transport import PeerLink, Transport, align
 from ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -148,6 +147,6 @@ class RemoteDrafter(RemotePeer):
         return self._call(self.link.resolve, reply.top_logprobs), self._call(self.link.resolve, reply.top_ids)
 
     def _refused(self, code, details: str) -> Exception:
-        if code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(UNKNOWN_REQUEST):
+        if code == grpc.StatusCode.NOT_FOUND:  # the drafter holds no context for a request (UnknownRequest)
             return DrafterContextLost(f"drafter: {details}")
         return super()._refused(code, details)

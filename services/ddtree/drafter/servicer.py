@@ -7,7 +7,8 @@ Release: free the requests' context.
 DraftStream: Draft per message of one long-lived stream per engine (the default step path); a
         message Draft refuses ends the stream with Draft's status, the engine reopens it.
 Request ids are namespaced by the calling peer's id, so two engines never share a context.
-Bad input -> INVALID_ARGUMENT naming the problem (nothing changes for any request); a full
+Bad input -> INVALID_ARGUMENT naming the problem (nothing changes for any request); a request
+whose context this drafter does not hold (released, or the drafter restarted) -> NOT_FOUND; a full
 context cache -> RESOURCE_EXHAUSTED; the service keeps serving either way.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import grpc
 import torch
 from opentelemetry import trace
 
-from ddtree.models.dflash import ContextCacheFull, DFlashDrafter, DrafterContextCache
+from ddtree.models.dflash import ContextCacheFull, DFlashDrafter, DrafterContextCache, UnknownRequest
 from ddtree.step_stream import serve_each
 from ddtree.telemetry.spans import DRAFT, SERVER_GPU_MS, GpuTimer
 from ddtree.transport import Transport, TransportError, align, attach, serve_peer
@@ -86,6 +87,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 raise  # serve_peer maps it to its status code
             except ContextCacheFull as exc:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except UnknownRequest as exc:  # its context is gone: the caller starts it over or degrades
+                context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             except ValueError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             self._peers_with_requests.add(peer.peer_id)

@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 UNKNOWN_REQUEST = "unknown request id"
 
 
+class UnknownRequest(ValueError):
+    """A request id this cache holds no context for (never drafted, released, or the drafter
+    restarted): its caller must start the request's context over."""
+
+
 # ---- building blocks ---------------------------------------------------------------------------
 class RMSNorm(nn.Module):
     """Qwen3's RMSNorm: statistics in float32, weight applied in the input dtype."""
@@ -195,7 +200,7 @@ class DrafterContextCache:
     def crop(self, request_id: str, length: int) -> None:
         """Keeps the first `length` context tokens of a known request."""
         if request_id not in self._length:
-            raise ValueError(f"{UNKNOWN_REQUEST} {request_id!r}")
+            raise UnknownRequest(f"{UNKNOWN_REQUEST} {request_id!r}")
         if not 0 <= length <= self._length[request_id]:
             raise ValueError(f"cannot crop {request_id!r} to {length}: it has {self._length[request_id]} tokens")
         pages = self._pages[request_id]
@@ -415,7 +420,7 @@ class DFlashDrafter(nn.Module):
             if start < 0:
                 raise ValueError(f"request {rid!r}: {n} feature rows cannot end before position {pos}")
             if rid not in cache and start != 0:
-                raise ValueError(f"{UNKNOWN_REQUEST} {rid!r}: its first draft must carry the context from "
+                raise UnknownRequest(f"{UNKNOWN_REQUEST} {rid!r}: its first draft must carry the context from "
                                  f"position 0 (features for positions {start}..{pos - 1} given; released?)")
             if pos < have:
                 raise ValueError(f"request {rid!r}: position {pos} goes backwards (context already has {have} tokens)")
