@@ -24,16 +24,8 @@ from ddtree.models.layers import DecoderLayer, grouped_mm_available
 from ddtree.models.mla_attention import mla_verify_attention, pack_bitmask
 from ddtree.models.parallel import TensorParallel
 from ddtree.models.rope import RotaryEmbedding
+from ddtree.models.synthetic import KIMI_K2  # noqa: F401 - bench_step_graphs and bench_quantized_moe import it here
 
-KIMI_K2 = dict(
-    model_type="kimi_k2", vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-    num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384, n_shared_experts=1,
-    num_experts_per_tok=8, first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.827,
-    norm_topk_prob=True, max_position_embeddings=131072, rope_theta=50000.0,
-    rope_scaling={"type": "yarn", "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                  "original_max_position_embeddings": 4096, "beta_fast": 1, "beta_slow": 1},
-)
 SMOKE = {**KIMI_K2, "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 16,
          "num_key_value_heads": 16, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
          "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 32}

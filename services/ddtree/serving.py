@@ -7,7 +7,9 @@ SIGTERM/SIGINT -> graceful stop within a grace period -> tracer flush.
 """
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import signal
 import threading
 import time
@@ -164,6 +166,18 @@ class GrpcServer:
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
+
+
+def add_peer_server_arguments(p: argparse.ArgumentParser) -> None:
+    """The server and transport options of a peer service (drafter, tree-build sidecar)."""
+    p.add_argument("--transport-kind", default=os.environ.get("DDTREE_TRANSPORT_KIND", "auto"),
+                   help="auto | cuda_ipc | shm | inline (env DDTREE_TRANSPORT_KIND)")
+    p.add_argument("--max-workers", type=int, default=16,
+                   help=f"handler threads: {HEALTH_THREADS} only ever answer health checks, the others serve calls")
+    p.add_argument("--rpcs-per-peer", type=int, default=8,
+                   help="calls and streams in progress per calling peer (the verify service needs 1-3)")
+    p.add_argument("--stream-idle-s", type=float, default=60.0,
+                   help="a step stream with no message this long is cancelled (the engine reopens it)")
 
 
 def serve_until_stopped(server: GrpcServer, *, on_stop: Callable[[], None] | None = None, **log_extra: Any) -> int:

@@ -1,16 +1,15 @@
-"""Supervision of `ddtree up`'s children (torch-free): restarts with backoff, giving up, stop order,
-shared memory of dead children.
+"""Supervision of `ddtree up`'s children (torch-free): restarts with backoff, giving up, stop order.
 
 A child that exits is restarted after a backoff (1 s, doubling, at most 30 s); one that exits
 `max_restarts` times in a row (a run that served `stable_after_s` resets the count) is left down
 when it is a peer (drafter, sidecar, HTTP API: the verify service serves degraded without it), and
 makes `ddtree up` exit 1 when it is the verify service. The watching never blocks on a restart:
 the restarted child's readiness is awaited in a thread, and one that does not become ready is
-killed (which counts as its next exit). Every dead child's /dev/shm segments are unlinked.
+killed (which counts as its next exit). A dead child leaves no shared memory behind: the
+transport's regions are memfds, freed with the last process that maps them.
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import threading
@@ -18,7 +17,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-SHM_DIR = "/dev/shm"
 VERIFY = "verify"
 FRONT = ("http", VERIFY)  # stopped first: the others serve them
 
@@ -40,25 +38,6 @@ class _State:
     restarts: int = 0
     restart_at: float | None = None
     given_up: bool = False
-
-
-def remove_segments_of(pid: int) -> list[str]:
-    """Unlinks the /dev/shm segments a (dead) process created: the transport names them
-    ddtree-<pid namespace>-<pid>-<random>-<label> (ddtree.transport.memory)."""
-    removed = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return removed
-    for name in names:
-        parts = name.split("-")
-        if len(parts) >= 5 and parts[0] == "ddtree" and parts[2] == str(pid):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed.append(name)
-            except FileNotFoundError:
-                pass
-    return removed
 
 
 class Supervisor:
@@ -87,7 +66,6 @@ class Supervisor:
             code = child.proc.poll()
             if code is None:
                 continue
-            remove_segments_of(child.proc.pid)
             if now - state.started >= self.policy.stable_after_s:
                 state.restarts = 0
             if state.restarts >= self.policy.max_restarts:
@@ -134,5 +112,3 @@ def stop_all(children: list, drain_s: float, grace_s: float, say: Callable[[str]
                 say(f"{child.name} did not stop in {wait_s:.0f}s; killing it")
                 child.proc.kill()
                 child.proc.wait()
-    for child in children:
-        remove_segments_of(child.proc.pid)

@@ -16,7 +16,7 @@ restarted after a backoff (1 s, doubling, at most 30 s; ddtree.supervise); a dra
 HTTP front that exits --max-restarts times in a row is left down while the verify service serves
 degraded (it re-attaches a drafter or sidecar that comes back). If the verify service exits
 --max-restarts times in a row, `ddtree up` stops the others and exits 1 with one line saying so.
-The shared-memory segments of every child that died are unlinked. On a GPU host every service uses
+A dead child leaves no shared memory (regions are memfds). On a GPU host every service uses
 GPU 0 (verify ranks use GPUs 0..N-1) and tensors move by CUDA IPC; on CPU, by shared memory.
 
 --demo: the models default to the bundled pair (checked against its manifest; --bundled-dir or

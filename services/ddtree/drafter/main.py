@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 import os
 
-from ddtree.serving import GrpcServer, ServerConfig, serve_until_stopped
+from ddtree.serving import GrpcServer, ServerConfig, add_peer_server_arguments, serve_until_stopped
 
 
 def add_serve_parser(serve_subparsers) -> argparse.ArgumentParser:
@@ -28,14 +28,7 @@ def add_serve_parser(serve_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=64, help="context cache page size in tokens")
     p.add_argument("--yarn-attention-factor", default="transformers",
                    help="YaRN cos/sin scale: transformers (as z-lab's reference) | yarn (0.1 ln f + 1) | a number")
-    p.add_argument("--transport-kind", default=os.environ.get("DDTREE_TRANSPORT_KIND", "auto"),
-                   help="auto | cuda_ipc | shm | inline (env DDTREE_TRANSPORT_KIND)")
-    p.add_argument("--max-workers", type=int, default=16,
-                   help="handler threads (default 16): 2 only ever answer health checks, the others serve calls")
-    p.add_argument("--rpcs-per-peer", type=int, default=8,
-                   help="calls and streams in progress per calling peer (default 8; the verify service needs 1-3)")
-    p.add_argument("--stream-idle-s", type=float, default=60.0,
-                   help="a step stream with no message this long is cancelled (default 60; the engine reopens it)")
+    add_peer_server_arguments(p)
     p.add_argument("--eager", action="store_true",
                    help="no CUDA graphs: every draft launched op by op (graphs are on by default on a GPU)")
     p.add_argument("--graph-top-k", type=int, default=64,

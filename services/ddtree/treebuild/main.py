@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import os
 
+from ddtree.serving import add_peer_server_arguments
 
 def add_serve_parser(serve_subparsers) -> argparse.ArgumentParser:
     p = serve_subparsers.add_parser(
@@ -20,14 +21,7 @@ def add_serve_parser(serve_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-depth", type=int, default=32, help="largest draft depth D")
     p.add_argument("--slots", type=int, default=4, help="output ring depth (>= the engine's pipeline depth)")
     p.add_argument("--threads", type=int, default=None, help="cpu backend threads (default: all cores)")
-    p.add_argument("--transport-kind", default=os.environ.get("DDTREE_TRANSPORT_KIND", "auto"),
-                   help="auto | cuda_ipc | shm | inline (env DDTREE_TRANSPORT_KIND)")
-    p.add_argument("--max-workers", type=int, default=16,
-                   help="handler threads (default 16): 2 only ever answer health checks, the others serve calls")
-    p.add_argument("--rpcs-per-peer", type=int, default=8,
-                   help="calls and streams in progress per calling peer (default 8; the verify service needs 1-3)")
-    p.add_argument("--stream-idle-s", type=float, default=60.0,
-                   help="a step stream with no message this long is cancelled (default 60; the engine reopens it)")
+    add_peer_server_arguments(p)
     p.set_defaults(func=run)
     return p
 
