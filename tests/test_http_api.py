@@ -30,7 +30,8 @@ from ddtree.demo import bundled_pair, prompt_ids  # noqa: E402
 from ddtree.health import wait_until_http_ok  # noqa: E402
 from ddtree.http.chat_template import BYTE_LEVEL_TEMPLATE, ChatTemplate  # noqa: E402
 from ddtree.http.errors import APIError, from_grpc  # noqa: E402
-from ddtree.http.prompts import Prompts, TokenizerConfig  # noqa: E402
+from ddtree.http.prompts import Prompts  # noqa: E402
+from ddtree.prompting import TokenizerConfig  # noqa: E402
 from ddtree.http.stops import StopTrimmer  # noqa: E402
 from ddtree.up import free_port  # noqa: E402
 from ddtree.v1 import generation_pb2 as pb  # noqa: E402
@@ -360,7 +361,7 @@ def test_a_tokenizer_config_chat_template_renders_as_transformers_does(tmp_path)
 
 def test_the_built_in_template_of_the_byte_level_pair(pair):
     prompts = Prompts.load(pair[0], vocab_size=264, max_context=4096)
-    assert prompts.config.chat_template == BYTE_LEVEL_TEMPLATE and prompts.config.add_bos_token
+    assert prompts.chat_template == BYTE_LEVEL_TEMPLATE and prompts.config.add_bos_token
     conversation = CONVERSATION + [{"role": "assistant", "content": "def lines(path):"},
                                    {"role": "user", "content": "Now the words."}]
     assert prompts.render_chat(conversation) == ("<|bos|># Helpers for text files.\n# Return the lines of a file.\n"
@@ -374,9 +375,9 @@ def test_tokenizer_config_without_template_or_bos(tmp_path):
         "version": "1.0", "added_tokens": [], "normalizer": None, "pre_tokenizer": {"type": "Whitespace"},
         "post_processor": None, "decoder": None,
         "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "[UNK]": 2}, "unk_token": "[UNK]"}}))
-    config = TokenizerConfig.load(tmp_path, byte_level=False)
-    assert config.chat_template is None and not config.add_bos_token
+    assert not TokenizerConfig.load(tmp_path, byte_level=False).add_bos_token
     prompts = Prompts.load(tmp_path, vocab_size=3, max_context=64)
+    assert prompts.chat_template is None
     assert prompts.completion("a b") == [0, 1]
     with pytest.raises(APIError) as err:
         prompts.chat(CONVERSATION)

@@ -185,12 +185,14 @@ def test_a_tiny_temperature_samples_like_greedy(verify):
 
 
 def test_text_prompt_uses_the_byte_tokenizer(verify):
+    """The tokenizer config's rule (ddtree.prompting): a byte-level checkpoint without
+    tokenizer_config.json gets its config.json BOS (0) first, as over HTTP and in the demo."""
     with channel(verify.port) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         chunks = list(stub.Generate(pb.GenerateRequest(text="\x01\x02\x03", sampling=pb.SamplingParams(
             max_tokens=4, ignore_eos=True)), timeout=60))
     tokens = [t for c in chunks for t in c.token_ids]
-    assert tokens == generate(verify.port, [1, 2, 3], pb.MODE_UNSPECIFIED, max_tokens=4, ignore_eos=True)[0]
+    assert tokens == generate(verify.port, [0, 1, 2, 3], pb.MODE_UNSPECIFIED, max_tokens=4, ignore_eos=True)[0]
     assert "".join(c.text for c in chunks) == bytes(tokens).decode("utf-8", "replace")
 
 

@@ -66,17 +66,16 @@ def bundled_pair(bundled_dir: str | None) -> tuple[Path, Path]:
 
 
 def prompt_ids(target_dir: str | Path, prompt: str) -> list[int]:
-    """The prompt as the bundled target saw its training files: BOS (when the config names one)
-    followed by the checkpoint tokenizer's ids."""
+    """The ids the server makes of a text prompt (`ddtree.prompting`: for the bundled pair, BOS and
+    the bytes, as it saw its training files); the demo itself sends the text, as any client does."""
+    from ddtree.prompting import PromptEncoder
     from ddtree.tokenizer import load_tokenizer
 
     config = json.loads((Path(target_dir) / "config.json").read_text())
-    ids = load_tokenizer(target_dir, int(config["vocab_size"])).encode(prompt)
-    bos = config.get("bos_token_id")
-    return ([int(bos)] if isinstance(bos, int) else []) + ids
+    return PromptEncoder.load(target_dir, load_tokenizer(target_dir, int(config["vocab_size"]))).completion(prompt)
 
 
-def run_prompts(endpoint: str, target_dir: str | Path, config: DemoConfig,
+def run_prompts(endpoint: str, config: DemoConfig,
                 prompts: tuple[str, ...] = DEMO_PROMPTS) -> list[PromptResult]:
     """Each prompt, one after another, through Generation.Generate in ddtree mode (greedy)."""
     from ddtree_client.channel import open_channel
@@ -90,7 +89,7 @@ def run_prompts(endpoint: str, target_dir: str | Path, config: DemoConfig,
         stub = generation_pb2_grpc.GenerationStub(channel)
         for i, prompt in enumerate(prompts):
             request_id = f"{tag}-{i}"
-            record = stream_generate(stub, build_request(prompt_ids(target_dir, prompt), options, request_id),
+            record = stream_generate(stub, build_request(prompt, options, request_id),
                                      timeout_s=config.timeout_s, prompt_index=i)
             usage = record.usage
             results.append(PromptResult(

@@ -409,7 +409,7 @@ def run_demo(args: argparse.Namespace, trace_file: Path) -> int:
     host = loopback(args.host)
     print(f"ddtree up: demo: {len(demo.DEMO_PROMPTS)} prompts, greedy, ddtree mode, budget "
           f"{config.budget or 'server policy'}, {config.max_tokens} tokens each; target {args.target}\n", flush=True)
-    results = demo.run_prompts(f"{host}:{args.port}", args.target, config)
+    results = demo.run_prompts(f"{host}:{args.port}", config)
     print(demo.format_results(results), flush=True)
     spans = demo.wait_for_trace(trace_file, [r.request_id for r in results if not r.error], config.trace_wait_s)
     table = demo.breakdown_table(spans)

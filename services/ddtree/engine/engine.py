@@ -40,6 +40,7 @@ from ddtree.engine.request import (FinishReason, Limits, Mode, Overloaded, Reque
 from ddtree.engine.scheduler import Scheduler, SchedulerConfig
 from ddtree.engine.stopping import StopChecker
 from ddtree.models.sampling import SamplingParams
+from ddtree.prompting import PromptEncoder
 from ddtree.telemetry import spans as S
 from ddtree.tokenizer import Tokenizer
 
@@ -161,8 +162,11 @@ class _Request:
 class Engine:
     def __init__(self, target: TargetRunner, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(), *,
                  drafter: DrafterBackend | None = None, tree: TreeBackend | None = None,
-                 local_tree: TreeBackend | None = None, tracer=None, on_fatal=None, metrics=None):
+                 local_tree: TreeBackend | None = None, tracer=None, on_fatal=None, metrics=None,
+                 prompts: PromptEncoder | None = None):
         self.target, self.tokenizer, self.config = target, tokenizer, config
+        # text prompts -> ids by the checkpoint's tokenizer config (BOS, special tokens): the rule every path shares
+        self.prompts = prompts or PromptEncoder.load(None, tokenizer)
         self.metrics = metrics  # ddtree.telemetry.metrics.EngineMetrics, or None; may be set before start()
         self._components: dict[str, float] = {}  # this step's seconds per component (metrics)
         self.drafter = drafter

@@ -11,6 +11,7 @@ from ddtree.engine.engine import Engine, EngineConfig
 from ddtree.engine.runner import GraphBuckets
 from ddtree.engine.target import LocalTarget
 from ddtree.models import sources
+from ddtree.prompting import PromptEncoder
 from ddtree.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ def build_local_engine(setup: ModelSetup, config: EngineConfig = EngineConfig(),
     if drafter is None and setup.drafter:
         drafter = local_drafter(setup, target, config)
     tokenizer = load_tokenizer(sources.checkpoint_dir(setup.target), target.vocab_size)
+    prompts = PromptEncoder.load(sources.checkpoint_dir(setup.target), tokenizer)
     local_tree = LocalTree(tree_backend(setup))
     return Engine(target, tokenizer, config, drafter=drafter, tree=tree or local_tree, local_tree=local_tree,
-                  tracer=tracer, on_fatal=on_fatal)
+                  tracer=tracer, on_fatal=on_fatal, prompts=prompts)

@@ -104,7 +104,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         which = request.WhichOneof("prompt")
         if which == "text":
             check_prompt_text(request.text, self.engine.limits)
-            prompt = self.engine.tokenizer.encode(request.text)
+            prompt = self.engine.prompts.completion(request.text)  # BOS and special tokens as the config says
         elif which == "token_ids":
             prompt = request.token_ids.ids  # validate_request counts the ids before copying them
         else:
