@@ -122,8 +122,9 @@ def build_local_engine(setup: ModelSetup, config: EngineConfig = EngineConfig(),
     target = target or load_target(setup, config)
     if drafter is None and setup.drafter:
         drafter = local_drafter(setup, target, config)
-    tokenizer = load_tokenizer(sources.checkpoint_dir(setup.target), target.vocab_size)
-    prompts = PromptEncoder.load(sources.checkpoint_dir(setup.target), tokenizer)
+    files = sources.checkpoint_dir(setup.target)
+    tokenizer = load_tokenizer(files, target.vocab_size)
+    prompts = PromptEncoder.load(files, tokenizer)
     local_tree = LocalTree(tree_backend(setup))
     return Engine(target, tokenizer, config, drafter=drafter, tree=tree or local_tree, local_tree=local_tree,
                   tracer=tracer, on_fatal=on_fatal, prompts=prompts)

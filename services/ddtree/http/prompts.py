@@ -33,20 +33,23 @@ class Prompts:
 
     def encode(self, text: str, param: str = "prompt") -> list[int]:
         """Text with special-token names -> ids (no BOS added); `param` names the field in errors."""
+        return self._tokenized(self.encoder.encode, text, param)
+
+    def completion(self, prompt: str | list[int]) -> list[int]:
+        """The shared completion rule (`PromptEncoder.completion`), with HTTP's cap and errors."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        return self._tokenized(self.encoder.completion, prompt, "prompt")
+
+    def _tokenized(self, encode, text: str, param: str) -> list[int]:
         if len(text) > self._max_chars:
             raise invalid_request(f"the prompt has {len(text)} characters; the context of "
                                   f"{self._max_chars // MAX_PROMPT_CHARS_PER_TOKEN} tokens takes at most "
                                   f"{self._max_chars}", param)
         try:
-            return self.encoder.encode(text)
+            return encode(text)
         except TokenizerError as exc:
             raise invalid_request(str(exc), param) from None
-
-    def completion(self, prompt: str | list[int]) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        bos = [self.config.bos_id] if self.config.add_bos_token else []
-        return bos + self.encode(prompt)
 
     def render_chat(self, messages: list[dict]) -> str:
         if self.template is None:
