@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddtree.tokenizer import Tokenizer
+from ddtree.tokenizer import Tokenizer, added_token_names
 
 
 def _token_name(value) -> str | None:
@@ -56,11 +56,7 @@ class TokenizerConfig:
             return cls(special_tokens={}, named_tokens={}, bos_id=None, add_bos_token=False, raw={})
         directory = Path(directory)
         config = _read_json(directory / "tokenizer_config.json")
-        added = config.get("added_tokens_decoder") or {}
-        try:
-            special = {v["content"]: int(k) for k, v in added.items()}
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{directory / 'tokenizer_config.json'}: malformed added_tokens_decoder ({exc})") from exc
+        special = {name: i for i, name in added_token_names(directory).items()}
         named = {key: name for key in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                                        "mask_token") if (name := _token_name(config.get(key))) is not None}
         bos_id = special.get(named.get("bos_token", ""))

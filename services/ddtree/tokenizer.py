@@ -156,7 +156,7 @@ class TiktokenTokenizer(Tokenizer):
                     ranks[base64.b64decode(token)] = int(rank)
         except ValueError as exc:
             raise TokenizerError(f"{model_path}: not a tiktoken BPE file ({exc})") from exc
-        names = _added_token_names(model_path.parent)
+        names = added_token_names(model_path.parent)
         base = len(ranks)
         special = {names.get(base + i, f"<|reserved_token_{base + i}|>"): base + i
                    for i in range(KIMI_NUM_RESERVED_SPECIAL_TOKENS)}
@@ -179,7 +179,8 @@ class TiktokenTokenizer(Tokenizer):
         return _BytesDecoder(self.token_bytes)
 
 
-def _added_token_names(directory: Path) -> dict[int, str]:
+def added_token_names(directory: Path) -> dict[int, str]:
+    """id -> name of tokenizer_config.json's added_tokens_decoder ({} without the file)."""
     config = directory / "tokenizer_config.json"
     if not config.is_file():
         return {}
@@ -198,5 +199,5 @@ def load_tokenizer(checkpoint_dir: str | Path | None, vocab_size: int) -> Tokeni
             return HFTokenizer(directory / "tokenizer.json")
         if (directory / "tiktoken.model").is_file():
             return TiktokenTokenizer(directory / "tiktoken.model")
-        return ByteTokenizer(vocab_size, {i: n for i, n in _added_token_names(directory).items() if i >= 256})
+        return ByteTokenizer(vocab_size, {i: n for i, n in added_token_names(directory).items() if i >= 256})
     return ByteTokenizer(vocab_size)
