@@ -227,6 +227,7 @@ def part_verify(report: Report, target: LocalTarget, router: str, bandwidth: flo
 # ---- profile part -------------------------------------------------------------------------------
 CATEGORIES = (  # (label, substrings of kernel names), first match wins
     ("routed experts (fused MoE)", ("_quant_gemm", "_moe_", "_splitk_reduce", "_quantize_fp8")),
+    ("compiled glue (inductor)", ("triton_poi", "triton_red", "triton_per")),
     ("dense GEMM/GEMV (bf16)", ("nvjet", "gemv", "gemm", "cutlass", "xmma", "sgemm")),
     ("attention", ("decode_cluster", "verify_cluster", "_decode_fwd", "_verify_fwd", "attn", "wgmma")),
     ("routing top-k / sort", ("topk", "sort", "Sort", "TopK")),
@@ -236,31 +237,44 @@ CATEGORIES = (  # (label, substrings of kernel names), first match wins
 )
 
 
+PROFILE_ROWS = ((1, 1), (1, 17))
+
+
 def part_profile(report: Report, target: LocalTarget, args) -> None:
-    """Every kernel of the 1 x 1 verify replay (61 layers) by category: where the ar step's GPU time goes."""
+    """Every kernel of the 1 x 1 and 1 x 17 verify replays (61 layers) by category: where the ar
+    step's and a ddtree-16 step's GPU time goes."""
     from bench_step_graphs import gpu_events
 
     model, graphs = target.model, target.graphs
     seq = 20_000
     model.cache.add_sequence(seq)
-    model.cache.reserve([seq], PREFIX + 8)
+    model.cache.reserve([seq], PREFIX + 128)
     model.cache.advance(seq, PREFIX)
-    root, tokens, depths, mask = random_trees(1, 1, model.vocab_local, torch.Generator().manual_seed(3))
-    graphs.verify([seq], root, tokens, depths, mask)
-    iters = 5
-    events = gpu_events(graphs.graphs[(1, 1)].replay, iters)
+    for b, t in PROFILE_ROWS:
+        if (b, t) not in graphs.graphs:
+            continue
+        root, tokens, depths, mask = random_trees(b, t, model.vocab_local, torch.Generator().manual_seed(3))
+        graphs.verify([seq] * b if b == 1 else list(range(seq, seq + b)), root, tokens, depths, mask)
+        iters = 5
+        events = gpu_events(graphs.graphs[(b, t)].replay, iters)
+        total = sum(us for _, us in events) / iters
+        by_cat: dict[str, list[float]] = {}
+        for name, us in events:
+            cat = next((label for label, keys in CATEGORIES if any(k in name for k in keys)), "unclassified")
+            by_cat.setdefault(cat, []).append(us / iters)
+        report("", f"## the {b} x {t} verify replay by kernel category: {len(events) / iters:.0f} kernels per replay "
+                   f"({len(events) / iters / model.cfg.num_hidden_layers:.1f} per layer), {total / 1e3:.3f} ms of "
+                   f"kernel time", f"{'category':<28} {'kernels':>7} {'ms':>7} {'share':>6} {'us/kernel':>9}")
+        for cat, times in sorted(by_cat.items(), key=lambda kv: -sum(kv[1])):
+            report(f"{cat:<28} {len(times) / iters:>7.0f} {sum(times) / 1e3:>7.3f} {100 * sum(times) / total:>5.1f}% "
+                   f"{sum(times) / max(len(times) / iters, 1):>9.1f}")
+        names: dict[str, list[float]] = {}
+        for name, us in events:
+            names.setdefault(name[:90], []).append(us / iters)
+        report(f"# top kernels of the {b} x {t} replay: ms, count per replay, name")
+        for name, times in sorted(names.items(), key=lambda kv: -sum(kv[1]))[:16]:
+            report(f"#  {sum(times) / 1e3:7.3f} {len(times) / iters:6.0f}  {name}")
     model.cache.release(seq)
-    total = sum(us for _, us in events) / iters
-    by_cat: dict[str, list[float]] = {}
-    for name, us in events:
-        cat = next((label for label, keys in CATEGORIES if any(k in name for k in keys)), "unclassified")
-        by_cat.setdefault(cat, []).append(us / iters)
-    report("", f"## the 1 x 1 verify replay by kernel category: {len(events) / iters:.0f} kernels per replay "
-               f"({len(events) / iters / model.cfg.num_hidden_layers:.1f} per layer), {total / 1e3:.3f} ms of kernel time",
-           f"{'category':<28} {'kernels':>7} {'ms':>7} {'share':>6} {'us/kernel':>9}")
-    for cat, times in sorted(by_cat.items(), key=lambda kv: -sum(kv[1])):
-        report(f"{cat:<28} {len(times) / iters:>7.0f} {sum(times) / 1e3:>7.3f} {100 * sum(times) / total:>5.1f}% "
-               f"{sum(times) / max(len(times) / iters, 1):>9.1f}")
 
 
 # ---- engine part --------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TargetConfig
+from .glue import glue_for
 from .kv_cache import LatentKVCache
 from .mla_attention import mla_verify_attention
 from .parallel import TensorParallel
@@ -26,11 +27,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _weight(dim, dtype=dtype, device=device)
         self.eps = eps
+        self.glue = glue_for(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.glue.rms_norm(x, self.weight, self.eps)
 
 
 class MLA(nn.Module):
@@ -59,6 +59,7 @@ class MLA(nn.Module):
         self.kv_b_proj = _weight(self.heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank,
                                  dtype=dtype, device=device)
         self.o_proj = lin(cfg.hidden_size, self.heads * cfg.v_head_dim)
+        self.glue = glue_for(device)
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: RotaryEmbedding):
         """x [S, H] -> q_nope [S, h, nope], q_rope [S, h, R] (roped), latent [S, C + R] (normed, roped)."""
@@ -67,13 +68,9 @@ class MLA(nn.Module):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(x.shape[0], self.heads, cfg.qk_head_dim)
-        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        kv = self.kv_a_proj_with_mqa(x)
-        c_kv, k_rope = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        q_rope = rotary.apply(q_rope, cos, sin)
-        k_rope = rotary.apply(k_rope.unsqueeze(-2), cos, sin).squeeze(-2)
-        return q_nope, q_rope, torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)
+        norm = self.kv_a_layernorm
+        return self.glue.mla_rope_latent(q, self.kv_a_proj_with_mqa(x), cos, sin, norm.weight, norm.eps, self.heads,
+                                         cfg.qk_nope_head_dim, rotary.interleave)
 
     def _w_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [h, nope, C] and W_UV [h, v, C] (views of kv_b_proj)."""
@@ -154,6 +151,7 @@ class MoE(nn.Module):
         self.shared = (
             MLP(h, i * cfg.n_shared_experts, tp, dtype, device, formats) if cfg.n_shared_experts else None
         )
+        self.glue = glue_for(device)
         self._fused_moe = None
         if fmt != "bf16" and torch.device(device).type == "cuda":
             from ddtree.kernels.quant_gemm import fused_moe  # Triton: only where a GPU runs it
@@ -168,18 +166,8 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [S, H] -> (weights [S, k] float32, expert ids [S, k])."""
         cfg = self.cfg
-        scores = F.linear(x.float(), self.gate).sigmoid()
-        choice = scores + self.e_score_correction_bias
-        groups = choice.view(x.shape[0], cfg.n_group, -1)
-        group_scores = groups.topk(2, dim=-1).values.sum(-1)
-        keep_groups = group_scores.topk(cfg.topk_group, dim=-1).indices
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, keep_groups, True)
-        choice = groups.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(x.shape[0], -1)
-        ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, ids
+        return self.glue.route_noaux_tc(x, self.gate, self.e_score_correction_bias, cfg.n_group, cfg.topk_group,
+                                        cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
@@ -256,5 +244,6 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, attend) -> torch.Tensor:
         """attend(normed x) -> this rank's attention partial (causal or paged)."""
-        x = x + self.tp.all_reduce(attend(self.input_layernorm(x)))
-        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+        norm = self.post_attention_layernorm
+        x, h = norm.glue.add_rms_norm(x, self.tp.all_reduce(attend(self.input_layernorm(x))), norm.weight, norm.eps)
+        return x + self.tp.all_reduce(self.mlp(h))

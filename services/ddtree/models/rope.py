@@ -60,15 +60,19 @@ class RotaryEmbedding(torch.nn.Module):
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [..., heads, dim] with cos/sin [..., dim/2] broadcast over heads.
+        return rope_apply(x, cos, sin, self.interleave)
 
-        Output layout is [rotated firsts | rotated seconds] in both modes (as transformers does);
-        the layout only needs to agree between q and k.
-        """
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        if self.interleave:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            half = x.shape[-1] // 2
-            x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """x [..., heads, dim] with cos/sin [..., dim/2] broadcast over heads.
+
+    Output layout is [rotated firsts | rotated seconds] in both modes (as transformers does);
+    the layout only needs to agree between q and k.
+    """
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
