@@ -94,14 +94,15 @@ def quantize(fmt: str, parts: list[torch.Tensor], group: int = 32) -> tuple[torc
         qs = [quant.quantize_fp8_block(p) for p in parts]
         return torch.cat([q for q, _ in qs]), torch.cat([s for _, s in qs])
     packed, scale, _ = quant.pack_int4_group32(torch.cat(parts), group)
-    return packed, scale
+    return qg.int4_repack(packed, scale)  # the kernels' sliced layout
 
 
 def dequantize(fmt: str, data: torch.Tensor, scale: torch.Tensor, parts: list[int], k: int,
                group: int = 32) -> torch.Tensor:
     """float64 weight from the stored one (the inverse of `quantize`)."""
     if fmt == "int4":
-        return quant.dequantize_int4_group(data, scale, (sum(parts), k), torch.float64, group)
+        packed = quant.int4_from_sliced(data, math.ceil(k / 8))
+        return quant.dequantize_int4_group(packed, scale, (sum(parts), k), torch.float64, group)
     out, r0, s0 = [], 0, 0
     for n in parts:
         sn = math.ceil(n / 128)
@@ -205,12 +206,18 @@ def test_quantize_fp8_1x128_is_the_rule_bitwise(m, k):
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
-def test_int4_repack_keeps_the_checkpoint_layout():
+def test_int4_repack_makes_the_sliced_layout():
     gen = torch.Generator().manual_seed(1)
     packed, scale, _ = quant.pack_int4_group32(torch.randn(40, 72, generator=gen))
     stacked = torch.stack([packed, packed])[:, ::2]  # a non-contiguous view
     p, s = qg.int4_repack(stacked, torch.stack([scale, scale])[:, ::2])
-    assert p.is_contiguous() and s.is_contiguous() and torch.equal(p, stacked)
+    assert p.is_contiguous() and s.is_contiguous() and p.shape == (2, 20, quant.int4_sliced_words(72))
+    assert torch.equal(quant.int4_from_sliced(p, packed.shape[1]), stacked)
+    # nibble i of word j of a 256-column step is column 32 i + j; the padding columns hold q = 0
+    q = quant.unpack_int4(packed, 72)[::2]
+    nib = (p[0].unsqueeze(-1) >> (torch.arange(8, dtype=torch.int32) * 4)) & 0xF  # [rows, 32, 8]
+    cols = nib.transpose(1, 2).reshape(20, 256) - 8
+    assert torch.equal(cols[:, :72], q.int()) and not cols[:, 72:].any()
     with pytest.raises(ValueError, match="int32"):
         qg.int4_repack(packed.float(), scale)
     with pytest.raises(ValueError, match="do not match"):
@@ -248,12 +255,12 @@ SPLIT_CONFIGS = [GemmConfig(16, 16, split_k=1, num_stages=2), GemmConfig(16, 32,
 @pytest.mark.parametrize("silu", [False, True])
 def test_dense_split_k_and_tiles_agree(fmt, silu):
     """Split-K off, on, more splits than K steps allow evenly; N tiles past n; BLOCK_M 32; either
-    operand order; FP8 activations quantized per tile or beforehand (INT4 also 64- and 256-wide K
-    steps)."""
+    operand order; FP8 activations quantized per tile or beforehand (INT4 also its K step given
+    explicitly)."""
     gen = torch.Generator().manual_seed(3)
     n, k = (320, 400) if silu else (200, 400)
     x, data, scale, ref = dense_case(fmt, 5, n, k, silu, gen)
-    configs = SPLIT_CONFIGS + ([GemmConfig(16, 32, 64, 2), GemmConfig(16, 16, 256, 2)] if fmt == "int4" else [])
+    configs = SPLIT_CONFIGS + ([GemmConfig(16, 32, 256, 2), GemmConfig(16, 16, 256, 3)] if fmt == "int4" else [])
     outs = [call_dense(fmt, x, data, scale, n, k, silu, config=c) for c in configs]
     for c, y in zip(configs, outs):
         assert rel_err(y, ref) < TOL[fmt], c

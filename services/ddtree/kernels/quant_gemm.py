@@ -6,10 +6,12 @@ Weight layouts (``ddtree.models.quant`` has the formats and the reference (de)qu
 * FP8: ``data`` float8_e4m3fn ``[N, K]``, ``scale`` float32 ``[ceil(N/128), ceil(K/128)]``,
   ``W[n, k] = data[n, k] * scale[n // 128, k // 128]``. A fused gate|up weight (``N = 2I``) keeps
   each part's scale rows apart: gate's ``ceil(I/128)`` rows, then up's from ``up_scale_row0``.
-* INT4: ``data`` int32 ``[N, ceil(K/8)]`` (column ``8j + i`` in bits ``4i..4i+3`` of word ``j``,
-  offset-binary ``q + 8``), ``scale`` ``[N, ceil(K/G)]`` (bf16), ``W[n, k] = q * scale[n, k // G]``,
-  any group ``G`` that is a multiple of 8. The kernels read this checkpoint layout as it is
-  (`int4_repack` only makes it contiguous; why there).
+* INT4: ``data`` int32 ``[N, 32 * ceil(K/256)]`` in the *sliced* layout (`int4_repack` makes it
+  from the checkpoint's ``[N, ceil(K/8)]``; `quant.int4_to_sliced`): K runs in steps of 256
+  columns, 32 words each, and nibble ``i`` of word ``j`` of a step holds column ``32 i + j``
+  (offset-binary ``q + 8``; padding columns ``q = 0``). ``scale`` ``[N, ceil(K/G)]`` (bf16),
+  ``W[n, k] = q * scale[n, k // G]``, any group ``G`` that is a multiple of 8 (one scale per row
+  and slice when ``G`` is a multiple of 32, as Kimi-K2's 32 is).
 * Experts stack these along a leading dim: ``w13 [E, 2I, H]`` (gate|up), ``w2 [E, H, I]``.
 
 Kernels:
@@ -26,10 +28,11 @@ Kernels:
   more: Hopper's wgmma shape) and the BLOCK_M >= 16 tokens its N, so a decode step wastes no MMA
   rows (H200: the GEMM kernel 5.0 against 5.4 us for ``x_tile @ W_tile^T`` at 1 and 16 tokens). FP8 runs 128-wide K
   steps: ``tl.dot`` in e4m3 with fp32 accumulation, times ``w_scale[n] * a_scale[m]`` per step
-  (one weight scale per 128x128 block). INT4 unpacks the
-  nibbles in registers (shift, mask, ``-8`` through the float32 bit pattern ``2**23 + nibble``,
-  ``* scale``), rounds to the activation dtype (the values dequantize-on-load gives) and runs
-  ``tl.dot`` on them with fp32 accumulation. ``SILU``: the gate and up tiles of the same columns
+  (one weight scale per 128x128 block). INT4 runs 256-wide K
+  steps: it loads the step's ``[BLOCK_N, 32]`` words once, and for each of the 8 slices shifts
+  them (mask, ``-8`` through the float32 bit pattern ``2**23 + nibble``, ``* scale``), rounds to
+  the activation dtype (the values dequantize-on-load gives) and runs a K=32 ``tl.dot`` against
+  the slice's 32 activation columns, fp32 accumulation. ``SILU``: the gate and up tiles of the same columns
   share the activation tile, and the epilogue writes ``silu(g) * u`` (fp32, one cast). Split-K
   (``split_k > 1``): program ``z`` covers K steps ``[z*s, (z+1)*s)`` and writes fp32 partials to a
   ``[split_k, rows, C]`` workspace; ``_splitk_reduce_kernel`` sums them in split order and applies
@@ -52,7 +55,10 @@ pair's index of a ``[split, S*k, H]`` buffer), combine: 4 launches, +1 for GEMM 
 
 Measured (H200, 2026-12-01, benchmarks/bench_quantized_moe.py at Kimi-K2 TP8 rank shapes, copy
 4.06 TB/s): the FP8 MoE GEMMs stream the experts hit at 2.7 TB/s at 1 token (1.3 experts), 3.4-4.3
-TB/s at 4-256 tokens; INT4 at 0.45-0.76 TB/s: its in-register dequantization, not memory, bounds it.
+TB/s at 4-256 tokens. INT4 in the checkpoint layout ran at 0.45-0.76 TB/s; the sliced layout
+reads an expert's gate|up (4096 x 7168) in 17.1 against 29.1 us at one token (scratch variant
+sweep, 2026-12-02; `bench_quantized_moe.py` has the current figures): in-register dequantization,
+not memory, still bounds it.
 
 Launch heuristic (`gemm_config`, `moe_config`; a `GemmConfig` passed as ``config=`` overrides it):
 BLOCK_M = 16 / 32 / 64 for up to 16 / 32 / more rows per block (dense: the tokens; MoE: the
@@ -81,7 +87,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree.models import quant
+
 FP8_BLOCK = 128          # FP8 weight blocks and activation groups, along K
+INT4_STEP = quant.INT4_STEP  # INT4 K step: the sliced layout's 256 columns
 FP8_MAX = 448.0          # e4m3 largest finite
 FP8_EPS = 1e-10          # smallest group absmax (vLLM's per-token-group clamp)
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -125,30 +134,49 @@ def _fp8_tile_dot(W, S, rows, srows, n_ok, offs_k, ks, K, stride_wn, stride_sn, 
 
 
 @triton.jit
-def _int4_tile_dot(W, S, rows, n_ok, k0, K, stride_wn, stride_sn, x,
-                   GROUP: tl.constexpr, SCALE_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SWAP: tl.constexpr):
-    """W[rows, k0:k0+BLOCK_K] dequantized to x's dtype . x."""
-    row_off = rows.to(tl.int64)[:, None]
-    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(W + row_off * stride_wn + offs_w[None, :],
-                    mask=n_ok[:, None] & (offs_w < tl.cdiv(K, 8))[None, :], other=0)
-    # column 8j + i of word j is bits 4i..4i+3 (the mask undoes the arithmetic shift's sign fill)
-    nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-    nib = tl.reshape(nib, (BLOCK_N, BLOCK_K))
+def _int4_slice(words, i: tl.constexpr, S, r64, n_ok, k0, offs_k, stride_sn, n_groups, GROUP: tl.constexpr, dtype):
+    """Slice i (columns k0 .. k0+31) of a step's words [BN, 32], dequantized to dtype [BN, 32]."""
+    nib = (words >> (4 * i)) & 0xF  # the mask undoes the arithmetic shift's sign fill
     q = (nib | _TWO23_BITS).to(tl.float32, bitcast=True) - _TWO23_PLUS8  # nibble - 8 without int->float
-    n_groups = tl.cdiv(K, GROUP)
-    if SCALE_GROUPS > 0:  # GROUP a power of two dividing BLOCK_K: load each group's scale once
-        offs_g = k0 // GROUP + tl.arange(0, SCALE_GROUPS)
-        s = tl.load(S + row_off * stride_sn + offs_g[None, :],
-                    mask=n_ok[:, None] & (offs_g < n_groups)[None, :], other=0.0).to(tl.float32)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, SCALE_GROUPS, GROUP)), (BLOCK_N, BLOCK_K))
-    else:  # one scale index per column
-        g = (k0 + tl.arange(0, BLOCK_K)) // GROUP
-        s = tl.load(S + row_off * stride_sn + g[None, :], mask=n_ok[:, None] & (g < n_groups)[None, :],
+    if GROUP % 32 == 0:  # one group per slice: one scale per row
+        g = k0 // GROUP
+        s = tl.load(S + r64 * stride_sn + g, mask=n_ok & (g < n_groups), other=0.0).to(tl.float32)
+        w = q * s[:, None]
+    else:
+        g = offs_k // GROUP
+        s = tl.load(S + r64[:, None] * stride_sn + g[None, :], mask=n_ok[:, None] & (g < n_groups)[None, :],
                     other=0.0).to(tl.float32)
-    w = (q * s).to(x.dtype)  # exact product, rounded once: the dequantized weight
-    return _tile_dot(w, x, SWAP)
+        w = q * s
+    return w.to(dtype)  # exact product, rounded once: the dequantized weight
+
+
+@triton.jit
+def _int4_step(X, x_rows, row_ok, stride_xm, W, S, rows, n_ok, ks, K, stride_wn, stride_sn, up_row0, acc_g, acc_u,
+               GROUP: tl.constexpr, SILU: tl.constexpr, SWAP: tl.constexpr):
+    """One 256-column K step of the sliced layout: the step's 32 words per weight row, then per
+    slice i the activations' columns 32 i .. 32 i + 31 and a K=32 dot (gate, and up with SILU)."""
+    j = tl.arange(0, 32)
+    r_g = rows.to(tl.int64)
+    words_g = tl.load(W + r_g[:, None] * stride_wn + (ks * 32 + j)[None, :], mask=n_ok[:, None], other=0)
+    r_u = (up_row0 + rows).to(tl.int64)
+    if SILU:
+        words_u = tl.load(W + r_u[:, None] * stride_wn + (ks * 32 + j)[None, :], mask=n_ok[:, None], other=0)
+    n_groups = tl.cdiv(K, GROUP)
+    for i in tl.static_range(8):
+        k0 = ks * 256 + i * 32
+        offs_k = k0 + j
+        if SWAP:
+            x = tl.load(X + x_rows[None, :] * stride_xm + offs_k[:, None],
+                        mask=row_ok[None, :] & (offs_k < K)[:, None], other=0.0)  # [32, BM]
+        else:
+            x = tl.load(X + x_rows[:, None] * stride_xm + offs_k[None, :],
+                        mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)  # [BM, 32]
+        acc_g += _tile_dot(_int4_slice(words_g, i, S, r_g, n_ok, k0, offs_k, stride_sn, n_groups, GROUP, x.dtype),
+                           x, SWAP)
+        if SILU:
+            acc_u += _tile_dot(_int4_slice(words_u, i, S, r_u, n_ok, k0, offs_k, stride_sn, n_groups, GROUP,
+                                           x.dtype), x, SWAP)
+    return acc_g, acc_u
 
 
 # ---- kernels -----------------------------------------------------------------------------------
@@ -177,7 +205,7 @@ def _quant_gemm_kernel(
     n_rows, N, K, num_pairs,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_os, stride_om,
     up_row0, up_srow0, steps_per_split,
-    FP8: tl.constexpr, GROUP: tl.constexpr, SCALE_GROUPS: tl.constexpr,
+    FP8: tl.constexpr, GROUP: tl.constexpr,
     ROWS: tl.constexpr, TOPK: tl.constexpr, SILU: tl.constexpr, PARTIAL: tl.constexpr,
     SWAP: tl.constexpr, PREQUANT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -224,14 +252,14 @@ def _quant_gemm_kernel(
         ptrs = Out + pid_k * stride_os + out_rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     acc_u = tl.zeros_like(acc_g)
     for ks in range(k_lo, k_hi):
-        offs_k = ks * BLOCK_K + tl.arange(0, BLOCK_K)
-        if SWAP:
-            x = tl.load(X + x_rows[None, :] * stride_xm + offs_k[:, None],
-                        mask=row_ok[None, :] & (offs_k < K)[:, None], other=0.0)  # [BK, BM]
-        else:
-            x = tl.load(X + x_rows[:, None] * stride_xm + offs_k[None, :],
-                        mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)  # [BM, BK]
         if FP8:
+            offs_k = ks * BLOCK_K + tl.arange(0, BLOCK_K)
+            if SWAP:
+                x = tl.load(X + x_rows[None, :] * stride_xm + offs_k[:, None],
+                            mask=row_ok[None, :] & (offs_k < K)[:, None], other=0.0)  # [BK, BM]
+            else:
+                x = tl.load(X + x_rows[:, None] * stride_xm + offs_k[None, :],
+                            mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)  # [BM, BK]
             if PREQUANT:  # x is e4m3 already, its 1x128 scales in XScale
                 xs = tl.load(XScale + x_rows * stride_xsm + ks, mask=row_ok, other=0.0)
             else:
@@ -241,12 +269,9 @@ def _quant_gemm_kernel(
             if SILU:
                 acc_u += _fp8_tile_dot(w_base, s_base, up_row0 + offs_n, up_srow0 + srows, n_ok, offs_k, ks, K,
                                        stride_wn, stride_sn, x, xs, SWAP)
-        else:
-            acc_g += _int4_tile_dot(w_base, s_base, offs_n, n_ok, ks * BLOCK_K, K, stride_wn, stride_sn, x,
-                                    GROUP, SCALE_GROUPS, BLOCK_N, BLOCK_K, SWAP)
-            if SILU:
-                acc_u += _int4_tile_dot(w_base, s_base, up_row0 + offs_n, n_ok, ks * BLOCK_K, K, stride_wn,
-                                        stride_sn, x, GROUP, SCALE_GROUPS, BLOCK_N, BLOCK_K, SWAP)
+        else:  # BLOCK_K is the sliced layout's 256-column step
+            acc_g, acc_u = _int4_step(X, x_rows, row_ok, stride_xm, w_base, s_base, offs_n, n_ok, ks, K, stride_wn,
+                                      stride_sn, up_row0, acc_g, acc_u, GROUP, SILU, SWAP)
     if PARTIAL:
         tl.store(ptrs, acc_g, mask=mask)
         if SILU:
@@ -366,20 +391,25 @@ class GemmConfig:
 
     block_m: int
     block_n: int
-    block_k: int = 128
+    block_k: int = 0        # 0: the format's K step (FP8 128, INT4 256), the only one each takes
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
     swap_ab: bool = True    # weight tile as the dot's first operand (BLOCK_N is the MMA's M)
     prequant: bool = True   # FP8: quantize the activations in a separate launch, not per tile
 
+    def k_step(self, fmt: str) -> int:
+        return self.block_k or (INT4_STEP if fmt == "int4" else FP8_BLOCK)
+
     def check(self, fmt: str) -> None:
-        for name in ("block_m", "block_n", "block_k"):
+        for name in ("block_m", "block_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
-        if fmt == "fp8" and self.block_k != FP8_BLOCK:
+        if fmt == "fp8" and self.k_step(fmt) != FP8_BLOCK:
             raise ValueError(f"FP8 GEMMs step K by the {FP8_BLOCK}-wide scale blocks; block_k {self.block_k}")
+        if fmt == "int4" and self.k_step(fmt) != INT4_STEP:
+            raise ValueError(f"INT4 GEMMs step K by the sliced layout's {INT4_STEP} columns; block_k {self.block_k}")
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
 
@@ -400,29 +430,31 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def gemm_config(rows: float, n: int, k: int, sms: int, *, row_blocks: int | None = None) -> GemmConfig:
+def gemm_config(rows: float, n: int, k: int, sms: int, *, row_blocks: int | None = None,
+                fmt: str = "fp8") -> GemmConfig:
     """The heuristic of the module doc: tiles from the rows a block holds (dense: all M rows),
     split-K from the expected programs (row blocks, default ceil(rows / BLOCK_M), x N tiles)
     against TARGET_WAVES x sms."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     block_n = 64 if block_m <= 32 else 128
-    block_k = 128
+    block_k = INT4_STEP if fmt == "int4" else FP8_BLOCK
     k_steps = triton.cdiv(k, block_k)
     programs = (row_blocks or triton.cdiv(max(int(rows), 1), block_m)) * triton.cdiv(n, block_n)
     split = min(k_steps, triton.cdiv(TARGET_WAVES * sms, programs)) if programs < TARGET_WAVES * sms else 1
     split = triton.cdiv(k_steps, triton.cdiv(k_steps, split))  # every split gets a K step
     warps = 8 if block_n >= 128 else 4  # 4 warps would hold two [128, 64] fp32 accumulators in 128 threads
-    return GemmConfig(block_m, block_n, block_k, split, warps, 4 if block_m <= 32 else 3)
+    stages = 2 if fmt == "int4" else 4 if block_m <= 32 else 3  # INT4: its K step is 8 dots already
+    return GemmConfig(block_m, block_n, block_k, split, warps, stages)
 
 
 def moe_config(tokens: int, topk: int, num_local: int, hidden: int, intermediate: int,
-               sms: int) -> tuple[GemmConfig, GemmConfig]:
+               sms: int, fmt: str = "fp8") -> tuple[GemmConfig, GemmConfig]:
     """(GEMM 1, GEMM 2) launches of `fused_moe` (module doc); both share BLOCK_M (the sort's)."""
     pairs = tokens * topk
     rows_per_expert = pairs / (8 * max(num_local, 1))
     blocks = max(1, min(triton.cdiv(pairs, 8), num_local))  # <= max_blocks
-    return (gemm_config(rows_per_expert, intermediate, hidden, sms, row_blocks=blocks),
-            gemm_config(rows_per_expert, hidden, intermediate, sms, row_blocks=blocks))
+    return (gemm_config(rows_per_expert, intermediate, hidden, sms, row_blocks=blocks, fmt=fmt),
+            gemm_config(rows_per_expert, hidden, intermediate, sms, row_blocks=blocks, fmt=fmt))
 
 
 def _max_blocks(pairs: int, block_m: int, num_local: int) -> int:
@@ -454,20 +486,20 @@ def _quantize_fp8(x: torch.Tensor, block_expert: torch.Tensor | None = None, blo
 
 
 def int4_repack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """INT4 checkpoint tensors ([E,] N, ceil(K/8) int32; [E,] N, ceil(K/G)) -> the kernels' layout.
+    """INT4 checkpoint tensors ([E,] N, ceil(K/8) int32; [E,] N, ceil(K/G)) -> the kernels' layout:
+    the words in the sliced layout (`quant.int4_to_sliced`, module doc), the scales as they are.
 
-    That is the checkpoint's own, made contiguous: a weight row's words run along K, so a
-    [BLOCK_N, BLOCK_K/8] tile is BLOCK_N runs of BLOCK_K/2 contiguous bytes (whole sectors), and the
-    low-nibble-first order of a word is already column order (k = 8j + i), so unpacking is 8 shifts
-    in registers. Interleaved (Marlin-style) layouts pay off only with packed 2x16-bit conversions,
-    which Triton does not express without inline assembly; the scales' [N, K/G] rows are read a
-    tile at a time and stay in L2 between K steps.
+    Why sliced: the checkpoint's order (column 8j + i in nibble i of word j) unpacks into a
+    [BN, BK/8, 8] tile that must be reshaped to [BN, BK] before the dot, and that reshape is a
+    layout conversion through shared memory on every K step (H200, an expert's gate|up at one
+    token: 29.1 us). In the sliced order a shift of the step's [BN, 32] words gives a contiguous
+    [BN, 32] column slice in the same registers, ready for a K=32 dot (16.2-17.1 us).
     """
     if packed.dtype != torch.int32:
         raise ValueError(f"packed INT4 weights must be int32, got {packed.dtype}")
     if packed.dim() not in (2, 3) or scale.dim() != packed.dim() or scale.shape[:-1] != packed.shape[:-1]:
         raise ValueError(f"packed {tuple(packed.shape)} and scale {tuple(scale.shape)} do not match")
-    return packed.contiguous(), scale.contiguous()
+    return quant.int4_to_sliced(packed), scale.contiguous()
 
 
 def _as_stack(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -489,7 +521,7 @@ def _check_weight(fmt: str, data: torch.Tensor, scale: torch.Tensor, n: int, k: 
     elif fmt == "int4":
         if group_size < 8 or group_size % 8:
             raise ValueError(f"INT4 group size must be a positive multiple of 8, got {group_size}")
-        want = (n, triton.cdiv(k, 8))
+        want = (n, quant.int4_sliced_words(k))  # the sliced layout (int4_repack)
         want_scale = (n, triton.cdiv(k, group_size))
         if data.dtype != torch.int32:
             raise ValueError(f"{what}: INT4 wants int32 packed data, got {data.dtype}")
@@ -500,19 +532,13 @@ def _check_weight(fmt: str, data: torch.Tensor, scale: torch.Tensor, n: int, k: 
                          f"[E, {want[0]}, {want[1]}] / [E, {want_scale[0]}, {want_scale[1]}]")
 
 
-def _scale_groups(fmt: str, group_size: int, block_k: int) -> int:
-    """INT4 scales per K step when the group is a power of two dividing BLOCK_K, else 0 (gather)."""
-    if fmt == "int4" and block_k % group_size == 0 and not group_size & (group_size - 1):
-        return block_k // group_size
-    return 0
-
-
 def _gemm(x, fmt, w, ws, cfg: GemmConfig, out, *, n_cols, k, group_size, silu, up_row0, up_srow0, n_rows,
           row_blocks, rows_mode=0, sorted_ids=None, block_expert=None, num_pairs=0, topk=1):
     """One _quant_gemm_kernel launch; out is [rows, C] (split 1) or the fp32 [split, rows, C] partials.
     FP8 with cfg.prequant: x is quantize_fp8_1x128's (q, s) pair."""
     x, xs = x if isinstance(x, tuple) else (x, x)
-    steps = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k)
+    bk = cfg.k_step(fmt)
+    steps = triton.cdiv(triton.cdiv(k, bk), cfg.split_k)
     grid = (row_blocks, triton.cdiv(n_cols, cfg.block_n), cfg.split_k)
     partial = cfg.split_k > 1
     dummy = sorted_ids if sorted_ids is not None else x  # unused pointers (ROWS 0)
@@ -522,10 +548,10 @@ def _gemm(x, fmt, w, ws, cfg: GemmConfig, out, *, n_cols, k, group_size, silu, u
         x.stride(0), xs.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
         out.stride(0) if partial else 0, out.stride(-2),
         up_row0, up_srow0, steps,
-        FP8=fmt == "fp8", GROUP=group_size, SCALE_GROUPS=_scale_groups(fmt, group_size, cfg.block_k),
+        FP8=fmt == "fp8", GROUP=group_size,
         ROWS=rows_mode, TOPK=topk, SILU=silu, PARTIAL=partial,
         SWAP=cfg.swap_ab, PREQUANT=fmt == "fp8" and cfg.prequant,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -573,7 +599,7 @@ def dense_gemm(x: torch.Tensor, fmt: str, data: torch.Tensor, scale: torch.Tenso
     out = torch.empty(m, n_cols, dtype=x.dtype, device=x.device)
     if m == 0 or n_cols == 0:
         return out
-    cfg = config or gemm_config(m, n_cols, k, _sms(x.device))
+    cfg = config or gemm_config(m, n_cols, k, _sms(x.device), fmt=fmt)
     cfg.check(fmt)
     row_blocks = triton.cdiv(m, cfg.block_m)
     x_in = quantize_fp8_1x128(x) if fmt == "fp8" and cfg.prequant else x
@@ -667,7 +693,7 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     y = torch.empty_like(x)
     if pairs == 0 or num_local == 0:
         return y.zero_()
-    cfg1, cfg2 = config or moe_config(s_tokens, topk, num_local, hidden, i, _sms(x.device))
+    cfg1, cfg2 = config or moe_config(s_tokens, topk, num_local, hidden, i, _sms(x.device), fmt)
     if cfg1.block_m != cfg2.block_m:
         raise ValueError(f"both GEMMs run the sort's blocks: block_m {cfg1.block_m} != {cfg2.block_m}")
     cfg1.check(fmt)

@@ -10,6 +10,8 @@ routed experts) in one of three storages:
   ``ceil(I/128)`` rows of gate scales, then up's, so ``I`` need not be a multiple of the block.
 * ``"int4"``: ``weight_packed`` int32 (8 columns per word, offset-binary nibbles) plus
   ``weight_scale`` group scales (compressed-tensors pack-quantized; Kimi-K2-Thinking experts).
+  On the CPU the words keep the checkpoint's order; on CUDA they are repacked as they load into
+  the kernels' sliced order (`quant.int4_to_sliced`: 256-column steps, rows padded to whole steps).
 
 How a matrix is applied is chosen once, when the weight is built, from the device: on CUDA the
 Triton kernels of `ddtree.kernels.quant_gemm` (W8A8 with activations quantized per 1x128 group;
@@ -72,6 +74,7 @@ class QuantWeight(nn.Module):
         self.block = block if fmt == "fp8" else (1, group)
         lead = () if stack is None else (stack,)
         out, k = self.out_features, in_features
+        self.on_gpu = torch.device(device).type == "cuda"
         if fmt == "bf16":
             self.weight = _param(*lead, out, k, dtype=dtype, device=device)
         elif fmt == "fp8":
@@ -82,9 +85,10 @@ class QuantWeight(nn.Module):
         else:
             if group % quant.INT4_PACK:
                 raise ValueError(f"INT4 group size {group} is not a multiple of {quant.INT4_PACK}")
-            self.weight_packed = _param(*lead, out, math.ceil(k / quant.INT4_PACK), dtype=torch.int32, device=device)
+            # the GPU kernels' sliced layout (quant.int4_to_sliced), the checkpoint's on the CPU
+            words = quant.int4_sliced_words(k) if self.on_gpu else math.ceil(k / quant.INT4_PACK)
+            self.weight_packed = _param(*lead, out, words, dtype=torch.int32, device=device)
             self.weight_scale = _param(*lead, out, math.ceil(k / group), dtype=dtype, device=device)
-        self.on_gpu = torch.device(device).type == "cuda"
         if self.on_gpu and fmt == "fp8" and self.block != quant.FP8_BLOCK:
             raise ValueError(f"the GPU FP8 kernels take 128x128 blocks; this weight has {self.block[0]}x{self.block[1]}")
 
@@ -124,7 +128,7 @@ class QuantWeight(nn.Module):
         if q.shape != (n, self.in_features):
             raise ValueError(f"shard shape {q.shape} does not fit the model's {(n, self.in_features)}")
         s0 = self._scale_rows(part)
-        data[r0 : r0 + n].copy_(q.data)
+        data[r0 : r0 + n].copy_(quant.int4_to_sliced(q.data) if self.on_gpu and self.fmt == "int4" else q.data)
         scale[s0 : s0 + q.scale.shape[0]].copy_(q.scale)
 
     @torch.no_grad()
@@ -163,6 +167,8 @@ class QuantWeight(nn.Module):
                 if self.fmt == "fp8":
                     w = quant.dequantize_fp8_block(d, scale[s0 + r0 // b0 : s0 + -(-r1 // b0)], dtype, self.block)
                 else:
+                    if self.on_gpu:
+                        d = quant.int4_from_sliced(d, math.ceil(self.in_features / quant.INT4_PACK))
                     w = quant.dequantize_int4_group(d, scale[base + r0 : base + r1], (r1 - r0, self.in_features),
                                                     dtype, self.block[1])
                 yield base + r0, base + r1, w

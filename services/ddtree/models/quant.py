@@ -150,6 +150,47 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return ((packed.unsqueeze(-1) >> shifts) & 0xF).view(packed.shape[0], -1)  # mask undoes sign fill
 
 
+# The GPU kernels' INT4 layout (`int4_to_sliced`): a row's columns in steps of 256 = 32 words; in
+# a step, nibble i of word j holds column 32 i + j, so shifting a step's 32 words by 4 i gives the
+# contiguous 32-column slice i. Rows pad to whole steps with q = 0.
+INT4_STEP = 256
+INT4_STEP_WORDS = INT4_STEP // INT4_PACK
+
+
+def int4_sliced_words(in_dim: int) -> int:
+    """Words per row of the sliced layout: whole 256-column steps."""
+    return math.ceil(in_dim / INT4_STEP) * INT4_STEP_WORDS
+
+
+def _pack_nibbles(nib: torch.Tensor) -> torch.Tensor:
+    """int64 nibbles [..., words, 8] (nibble i of each word last) -> int32 words [..., words]."""
+    shifts = torch.arange(INT4_PACK, dtype=torch.int64, device=nib.device) * 4
+    packed = (nib << shifts).sum(dim=-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def int4_to_sliced(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint-layout int32 words ``[..., rows, words]`` -> the sliced layout
+    ``[..., rows, int4_sliced_words(8 * words)]`` (a permutation of each step's nibbles)."""
+    lead, words = packed.shape[:-1], packed.shape[-1]
+    steps = math.ceil(words / INT4_STEP_WORDS)
+    nib = torch.full((*lead, steps * INT4_STEP), _INT4_OFFSET, dtype=torch.int64, device=packed.device)
+    shifts = torch.arange(INT4_PACK, dtype=torch.int32, device=packed.device) * 4
+    nib[..., : 8 * words] = ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(*lead, 8 * words)
+    # [steps, i, j] (column 32 i + j) -> word j, nibble i
+    nib = nib.view(*lead, steps, INT4_PACK, INT4_STEP_WORDS).transpose(-1, -2)
+    return _pack_nibbles(nib).reshape(*lead, steps * INT4_STEP_WORDS)
+
+
+def int4_from_sliced(sliced: torch.Tensor, words: int) -> torch.Tensor:
+    """The inverse of `int4_to_sliced`: back to ``words`` checkpoint-layout words per row."""
+    lead, steps = sliced.shape[:-1], sliced.shape[-1] // INT4_STEP_WORDS
+    shifts = torch.arange(INT4_PACK, dtype=torch.int32, device=sliced.device) * 4
+    nib = ((sliced.unsqueeze(-1) >> shifts) & 0xF).view(*lead, steps, INT4_STEP_WORDS, INT4_PACK)
+    nib = nib.transpose(-1, -2).reshape(*lead, steps * INT4_STEP)[..., : 8 * words]  # column order
+    return _pack_nibbles(nib.reshape(*lead, words, INT4_PACK).to(torch.int64))
+
+
 def unpack_int4(packed: torch.Tensor, in_dim: int) -> torch.Tensor:
     """int32 ``[out, words]`` -> int8 ``[out, in_dim]`` in [-8, 7]."""
     _check_matrix(packed, "weight_packed")
