@@ -142,3 +142,41 @@ def test_undecodable_requests_get_invalid_argument():
             assert len(responses) == 1
     finally:
         server.stop()
+
+
+def test_request_checks_and_the_receive_limit_refuse_before_decoding():
+    """A method's request check sees the wire bytes before the deserializer: its reason is
+    INVALID_ARGUMENT naming the method, and the message is never parsed; past `max_receive_bytes`
+    grpc refuses with RESOURCE_EXHAUSTED at the transport. Other requests decode as before."""
+    decoded = []
+
+    def decode(data: bytes):
+        decoded.append(data)
+        return health_pb2.HealthCheckRequest.FromString(data)
+
+    def echo(request, context):
+        return health_pb2.HealthCheckResponse(status=SERVING)
+
+    server = GrpcServer(ServerConfig(name="checks", port=0, grace_s=0.1, max_receive_bytes=4096),
+                        request_checks={"/test.Echo/Echo": lambda data: "too long" if len(data) > 100 else None})
+    server.add_generic(grpc.method_handlers_generic_handler("test.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(
+        echo, request_deserializer=decode, response_serializer=health_pb2.HealthCheckResponse.SerializeToString)}),
+        "test.Echo")
+    port = server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as ch:
+            call = ch.unary_unary("/test.Echo/Echo", response_deserializer=health_pb2.HealthCheckResponse.FromString)
+            small = health_pb2.HealthCheckRequest(service="x" * 10).SerializeToString()
+            assert call(small, timeout=5).status == SERVING and decoded == [small]
+            with pytest.raises(grpc.RpcError) as err:
+                call(health_pb2.HealthCheckRequest(service="x" * 200).SerializeToString(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details() == "/test.Echo/Echo: too long (refused before decoding)"
+            with pytest.raises(grpc.RpcError) as err:
+                call(health_pb2.HealthCheckRequest(service="x" * 5000).SerializeToString(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "larger than max" in err.value.details() and "4096" in err.value.details()
+            assert decoded == [small]   # neither refusal reached the deserializer
+            assert call(small, timeout=5).status == SERVING
+    finally:
+        server.stop()

@@ -22,9 +22,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from test_engine_common import VOCAB, make_pair
 
+from ddtree.engine.request import Limits
 from ddtree.grpc_options import open_channel
 from ddtree.v1 import generation_pb2 as pb
 from ddtree.v1 import generation_pb2_grpc
+from ddtree.verify.wire_limits import GENERATE, GenerateWireLimits
 
 
 
@@ -216,6 +218,7 @@ BAD = [
     (dict(text="x" * 200_000), "prompt text has 200000 characters"),
     (dict(token_ids=OK, sampling=pb.SamplingParams(stop_strings=["a"] * 200_000)), "at most 64 stop strings"),
     (dict(token_ids=OK, sampling=pb.SamplingParams(stop_token_ids=[1] * 5000)), "at most 1024 stop token ids"),
+    (dict(token_ids=OK, client_request_id="x" * 257), "client_request_id has 257 characters; at most 256"),
 ]
 
 
@@ -227,6 +230,93 @@ def test_bad_input_is_invalid_argument(verify, fields, message):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert message in err.value.details()
     assert "Traceback" not in err.value.details()
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
+
+
+def _wire_limits() -> GenerateWireLimits:
+    return GenerateWireLimits(Limits(vocab_size=VOCAB, max_context=4096, max_tokens_limit=4000, max_budget=32))
+
+
+def test_oversized_requests_are_refused_before_they_are_decoded(verify):
+    """What no legal request of this server can be (ddtree.verify.wire_limits: its max_context
+    4096 and the servicer's caps) is refused on the wire bytes with INVALID_ARGUMENT naming the
+    limit, and past twice the largest legal size by grpc at the transport (RESOURCE_EXHAUSTED,
+    naming both sizes). Parsing 200,000 stop strings grew the verify process by ~1 MiB a request;
+    refused unparsed, 60 of them leave it flat."""
+    wire = _wire_limits()
+    big_text = pb.GenerateRequest(text="x" * (wire.max_bytes + 1)).SerializeToString()
+    cases = [
+        (pb.GenerateRequest(token_ids=OK, sampling=pb.SamplingParams(stop_strings=["x"] * 200_000)),
+         "at most 64 stop strings, got more than 64"),
+        (pb.GenerateRequest(token_ids=OK, sampling=pb.SamplingParams(stop_token_ids=[1] * 200_000)),
+         "at most 1024 stop token ids, got 200000"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 500_000)),
+         "prompt has 500000 tokens; the context holds 4096"),
+        (big_text, f"the request is {len(big_text)} bytes; a Generate request to this server is at most "
+                   f"{wire.max_bytes} bytes (a prompt of at most 4095 token ids or 131072 characters"),
+    ]
+    with channel(verify.port) as ch:
+        raw = ch.unary_stream(GENERATE, request_serializer=lambda r: r if isinstance(r, bytes) else r.SerializeToString())
+        for request, message in cases:
+            with pytest.raises(grpc.RpcError) as err:
+                list(raw(request, timeout=30))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert message in err.value.details() and "(refused before decoding)" in err.value.details()
+        # 16 MB of token ids (a TokenIds field of 1-byte ids, built as bytes): past grpc's receive limit
+        ids = b"\x0a" + _varint(16 << 20) + b"\x01" * (16 << 20)
+        with pytest.raises(grpc.RpcError) as err:
+            list(raw(b"\x12" + _varint(len(ids)) + ids, timeout=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+        assert "larger than max" in err.value.details() and f"vs. {wire.receive_bytes}" in err.value.details()
+
+        stops = cases[0][0].SerializeToString()
+        for _ in range(10):  # settle
+            with pytest.raises(grpc.RpcError):
+                list(raw(stops, timeout=30))
+        before = _rss_mib(verify.proc.pid)
+        for _ in range(60):
+            with pytest.raises(grpc.RpcError):
+                list(raw(stops, timeout=30))
+        grown = _rss_mib(verify.proc.pid) - before
+        assert grown < 10, f"verify grew {grown:.1f} MiB over 60 requests of 200,000 stop strings"
+    assert len(generate(verify.port, [5, 6], pb.MODE_DDTREE, max_tokens=8, ignore_eos=True)[0]) == 8
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def test_the_largest_legal_request_is_served(verify):
+    """Every field at its cap, 4-byte characters, the longest prompt the context takes: served
+    (one token); a text prompt at the character cap passes the wire check and gets the
+    servicer's own verdict."""
+    wide = "\U0001F600"
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[VOCAB - 3] * 4095), client_request_id=wide * 256,
+        sampling=pb.SamplingParams(max_tokens=1, ignore_eos=True, stop_strings=[wide * 512] * 64,
+                                   stop_token_ids=[VOCAB - 1] * 1024),
+        speculation=pb.SpeculationParams(mode=pb.MODE_AR))
+    with channel(verify.port) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        chunks = list(stub.Generate(request, timeout=120))
+        assert chunks[-1].usage.prompt_tokens == 4095 and chunks[-1].usage.completion_tokens == 1
+        text = pb.GenerateRequest(text=wide * 131072, client_request_id=wide * 256,
+                                  sampling=pb.SamplingParams(stop_strings=[wide * 512] * 64))
+        assert len(text.SerializeToString()) <= _wire_limits().max_bytes
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(text, timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "refused before decoding" not in err.value.details()   # the servicer's: parsed, then refused
+        assert "outside the vocabulary of 32" in err.value.details(), err.value.details()
 
 
 def _long(tag: str, prompt=(1, 2)) -> pb.GenerateRequest:

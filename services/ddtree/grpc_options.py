@@ -26,6 +26,12 @@ def open_channel(target: str, tls_ca: str | None = None, *, aio: bool = False):
     return kind.secure_channel(target, creds, options=channel_options())
 
 
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """Channel options plus so_reuseport off, so two servers never silently share a port."""
-    return channel_options(max_message_bytes) + [("grpc.so_reuseport", 0)]
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES,
+                   max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
+    """Channel options plus so_reuseport off, so two servers never silently share a port;
+    `max_receive_bytes` (None: max_message_bytes) bounds what the server takes in: grpc refuses a
+    longer message with RESOURCE_EXHAUSTED before it reaches Python."""
+    options = dict(channel_options(max_message_bytes))
+    if max_receive_bytes is not None:
+        options["grpc.max_receive_message_length"] = max_receive_bytes
+    return [*options.items(), ("grpc.so_reuseport", 0)]

@@ -5,12 +5,20 @@ field that is not UTF-8) with INTERNAL "Exception deserializing request!" before
 `DecodeErrorInterceptor` wraps every handler's deserializer so that a failure becomes a marker,
 and the handler, before running the servicer, aborts with INVALID_ARGUMENT naming the method and
 the parser's complaint. Streams check each message as it is read.
+
+A method can also have a request check (`request_checks`: method -> check(bytes) -> None or a
+reason), run on the wire bytes before the deserializer: a reason is answered INVALID_ARGUMENT the
+same way and the message is never parsed (ddtree.verify.wire_limits: Generate requests past what
+the server can accept, whose parsing alone would cost the server memory).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import grpc
+
+RequestCheck = Callable[[bytes], "str | None"]   # None: go on and parse; else why it is refused
 
 
 @dataclass(frozen=True)
@@ -18,8 +26,10 @@ class _Undecodable:
     message: str
 
 
-def _decoder(deserializer, method: str):
+def _decoder(deserializer, method: str, check: RequestCheck | None = None):
     def decode(data: bytes):
+        if check is not None and (reason := check(data)) is not None:
+            return _Undecodable(f"{method}: {reason} (refused before decoding)")
         try:
             return deserializer(data)
         except Exception as exc:  # protobuf's DecodeError, UnicodeDecodeError, ...: the caller's bytes
@@ -40,14 +50,18 @@ def _checked_stream(requests, context):
 
 
 class DecodeErrorInterceptor(grpc.ServerInterceptor):
-    """Put it first in the server's interceptors: it wraps what the others return."""
+    """Put it first in the server's interceptors: it wraps what the others return.
+    `request_checks`: method (e.g. "/ddtree.v1.Generation/Generate") -> its check."""
+
+    def __init__(self, request_checks: Mapping[str, RequestCheck] | None = None):
+        self.request_checks: dict[str, RequestCheck] = dict(request_checks or {})
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
         method = handler_call_details.method
-        decode = _decoder(handler.request_deserializer, method)
+        decode = _decoder(handler.request_deserializer, method, self.request_checks.get(method))
         serialize = handler.response_serializer
         if handler.unary_unary:
             inner = handler.unary_unary

@@ -1,9 +1,11 @@
 """The one gRPC server scaffold every service uses.
 
-Health (NOT_SERVING until the component says it is ready), reflection, raised message limits,
-so_reuseport off, a checked bind (port 0 allowed; the real port is reported), tracing
-interceptor, bounded use of the handler pool (ddtree.rpc_limits: health always answers), and
-SIGTERM/SIGINT -> graceful stop within a grace period -> tracer flush.
+Health (NOT_SERVING until the component says it is ready), reflection, raised message limits
+(a lower receive limit and per-method checks of the request bytes where a service knows what a
+legal request can be: ddtree.request_decoding), so_reuseport off, a checked bind (port 0
+allowed; the real port is reported), tracing interceptor, bounded use of the handler pool
+(ddtree.rpc_limits: health always answers), and SIGTERM/SIGINT -> graceful stop within a grace
+period -> tracer flush.
 """
 from __future__ import annotations
 
@@ -15,14 +17,14 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ddtree.grpc_options import MAX_MESSAGE_BYTES, server_options
-from ddtree.request_decoding import DecodeErrorInterceptor
+from ddtree.request_decoding import DecodeErrorInterceptor, RequestCheck
 from ddtree.rpc_limits import HEALTH_THREADS, RpcLimits
 from ddtree.telemetry import TracingServerInterceptor, shutdown_tracing
 
@@ -47,6 +49,7 @@ class ServerConfig:
     stream_idle_s: float | None = 60.0  # a request stream with no message this long is cancelled
     grace_s: float = 5.0           # in-flight RPCs get this long after SIGTERM
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_receive_bytes: int | None = None  # what a request may be (None: max_message_bytes); grpc refuses more
     tls_cert: str | None = None    # PEM certificate chain file; with tls_key: serve TLS
     tls_key: str | None = None     # PEM private key file
 
@@ -54,7 +57,8 @@ class ServerConfig:
 class GrpcServer:
     """A grpc.Server with health, reflection and tracing; `add` servicers, then `start`."""
 
-    def __init__(self, config: ServerConfig, tracer_provider=None):
+    def __init__(self, config: ServerConfig, tracer_provider=None,
+                 request_checks: Mapping[str, RequestCheck] | None = None):
         self.config = config
         if config.max_workers <= HEALTH_THREADS:
             raise ValueError(f"{config.name}: max_workers={config.max_workers} must exceed the {HEALTH_THREADS} "
@@ -62,8 +66,8 @@ class GrpcServer:
         self.limits = RpcLimits(config.max_workers - HEALTH_THREADS, config.rpcs_per_peer, config.stream_idle_s)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=config.name),
-            options=server_options(config.max_message_bytes),
-            interceptors=[DecodeErrorInterceptor(), self.limits, TracingServerInterceptor(tracer_provider)],
+            options=server_options(config.max_message_bytes, config.max_receive_bytes),
+            interceptors=[DecodeErrorInterceptor(request_checks), self.limits, TracingServerInterceptor(tracer_provider)],
         )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -175,6 +175,7 @@ def serve(args, provider, log: logging.Logger) -> int:
     from ddtree.v1 import generation_pb2_grpc
     from ddtree.verify.ranks import RankArgs, RankSupervisor, free_port, init_distributed, rank_device
     from ddtree.verify.servicer import GenerationServicer
+    from ddtree.verify.wire_limits import GENERATE, GenerateWireLimits
 
     if args.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
@@ -196,9 +197,7 @@ def serve(args, provider, log: logging.Logger) -> int:
 
         setup = dataclasses.replace(setup, drafter=None, drafter_layer_ids=feature_layers(setup),
                                     draft_block_size=sources.drafter_config(args.drafter).block_size)
-    server = GrpcServer(ServerConfig(name="verify", host=args.host, port=args.port, tls_cert=args.tls_cert,
-                                     tls_key=args.tls_key, max_workers=handler_threads(args),
-                                     rpcs_per_peer=None), provider)  # public clients carry no peer id
+    server = None   # made once the engine's limits are known: they size what a request may be
 
     supervisor, group = None, None
     if args.tp > 1:
@@ -208,11 +207,12 @@ def serve(args, provider, log: logging.Logger) -> int:
 
         def on_rank_death(message: str) -> None:
             # rank 0 may be blocked in a collective with the dead rank: never wait for it
-            server.set_serving(False)
             killer = threading.Timer(5.0, os._exit, args=(1,))
             killer.daemon = True
             killer.start()
-            server.stop(1.0)
+            if server is not None:
+                server.set_serving(False)
+                server.stop(1.0)
             log.error("verify stopped: %s", message)
             os._exit(1)
         supervisor.watch(on_rank_death)
@@ -236,10 +236,17 @@ def serve(args, provider, log: logging.Logger) -> int:
 
     def on_fatal(exc: BaseException) -> None:  # the target failed: stop serving (a supervisor restarts us)
         log.error("engine failed (%s); stopping the verify service", exc)
-        server.set_serving(False)
-        threading.Thread(target=server.stop, daemon=True).start()
+        if server is not None:
+            server.set_serving(False)
+            threading.Thread(target=server.stop, daemon=True).start()
 
     engine = build_local_engine(setup, config, target=target, drafter=drafter, tree=tree, on_fatal=on_fatal)
+    wire = GenerateWireLimits(engine.limits)   # requests past these are refused before they are parsed
+    server = GrpcServer(ServerConfig(name="verify", host=args.host, port=args.port, tls_cert=args.tls_cert,
+                                     tls_key=args.tls_key, max_workers=handler_threads(args),
+                                     rpcs_per_peer=None,  # public clients carry no peer id
+                                     max_receive_bytes=wire.receive_bytes),
+                        provider, request_checks={GENERATE: wire.check})
     block_size = engine.drafter.block_size if engine.drafter is not None else 0
     drafter_name = os.path.basename(os.path.normpath(args.drafter)) if args.drafter else ""
     servicer = GenerationServicer(engine, drafter_name=drafter_name, block_size=block_size)

@@ -1,8 +1,10 @@
 """ddtree.v1.Generation over the engine: proto <-> engine types, and gRPC status mapping.
 
-Bad input -> INVALID_ARGUMENT with the validation message; a full queue or a request that can
-never fit -> RESOURCE_EXHAUSTED; client cancellation or an expired deadline -> the engine frees
-the request at once (a callback on the RPC); a failed engine -> INTERNAL with its reason.
+Bad input -> INVALID_ARGUMENT with the validation message (requests past what this server can
+accept are refused on their wire bytes before this runs: ddtree.verify.wire_limits); a full
+queue or a request that can never fit -> RESOURCE_EXHAUSTED; client cancellation or an expired
+deadline -> the engine frees the request at once (a callback on the RPC); a failed engine ->
+INTERNAL with its reason.
 Shutdown (`drain`): new requests -> UNAVAILABLE, running streams finish, up to a drain timeout;
 those the engine then ends -> UNAVAILABLE saying the drain timeout ended them.
 """
@@ -22,6 +24,7 @@ from ddtree.engine.request import (FinishReason, InvalidRequest, Mode, Overloade
 from ddtree.tokenizer import TokenizerError
 from ddtree.v1 import generation_pb2 as pb
 from ddtree.v1 import generation_pb2_grpc
+from ddtree.verify.wire_limits import MAX_CLIENT_REQUEST_ID_CHARS
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         else:
             raise InvalidRequest("prompt is empty (set text or token_ids)")
         s, sp = request.sampling, request.speculation
+        if len(request.client_request_id) > MAX_CLIENT_REQUEST_ID_CHARS:  # it sizes the largest legal request
+            raise InvalidRequest(f"client_request_id has {len(request.client_request_id)} characters; "
+                                 f"at most {MAX_CLIENT_REQUEST_ID_CHARS}")
         if sp.mode not in MODE_FROM_PB:
             raise InvalidRequest(f"unknown mode {sp.mode}")
         remaining = context.time_remaining()
