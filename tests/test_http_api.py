@@ -225,6 +225,69 @@ def test_bad_bodies_and_chat_input_are_400(client, stack):
     assert err.value.body["param"] == "logprobs"
 
 
+def _raw_http(port: int, head: bytes, body_parts=()) -> tuple[int, dict]:
+    """Sends a request byte by byte as given (the parts may stop short of the body the head
+    announces) and reads the response: what http.client cannot do."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head)
+        try:
+            for part in body_parts:
+                sock.sendall(part)
+        except (BrokenPipeError, ConnectionResetError):  # refused and closed before the last part
+            pass
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head_text, _, body = reply.partition(b"\r\n\r\n")
+    return int(head_text.split()[1]), json.loads(body)
+
+
+def test_oversized_bodies_get_413_before_they_are_parsed(client, stack):
+    """Past the largest legal body (a prompt of max_context x 32 characters as 12-byte JSON
+    escapes, plus 1 MiB): 413 `request_too_large` naming the limit, never parsed (a Content-Length
+    past twice the limit: answered before any of the body is sent; up to that, and chunked, the
+    rest is read and dropped first, so a client still sending gets the answer, not a reset). A
+    body of exactly the limit is served; token ids past the context are refused here, before
+    they are sent to the verify service."""
+    from ddtree.http.body_limit import max_body_bytes
+
+    port = stack[1]
+    limit = max_body_bytes(4096)
+
+    def head(length: int) -> bytes:
+        return (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                f"content-length: {length}\r\n\r\n").encode()
+    status, body = _raw_http(port, head(100 * limit))   # no body sent at all: refused on the header
+    assert status == 413 and body["error"]["code"] == "request_too_large", body
+    assert f"the request body is {100 * limit} bytes; this server takes at most {limit} bytes" in body["error"]["message"]
+    assert "the context of 4096 tokens" in body["error"]["message"]
+    status, body = _raw_http(port, head(limit + 1), [b" " * (limit + 1)])
+    assert status == 413 and f"is {limit + 1} bytes" in body["error"]["message"], body
+
+    chunked = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+               b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
+    piece = b" " * (1 << 20)
+    parts = [b"%x\r\n" % len(piece) + piece + b"\r\n"] * (limit // len(piece) + 1) + [b"0\r\n\r\n"]
+    status, body = _raw_http(port, chunked, parts)
+    assert status == 413 and f"has more than {limit} bytes" in body["error"]["message"], body
+
+    small = json.dumps({"model": "target", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    at_limit = small[:-1] + " " * (limit - len(small)) + "}"   # JSON whitespace up to the limit
+    assert len(at_limit.encode()) == limit
+    status, body = post(port, "/v1/completions", at_limit)
+    assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+    status, body = _raw_http(port, chunked, [b"%x\r\n%s\r\n0\r\n\r\n" % (len(small), small.encode())])
+    assert status == 200 and body["usage"]["completion_tokens"] == 3, body   # chunked, within the limit
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="target", prompt=[1] * 4096, max_tokens=2)
+    assert err.value.body["param"] == "prompt"
+    assert "the prompt has 4096 token ids; the context of 4096 tokens takes at most 4095" in err.value.body["message"]
+    assert client.completions.create(model="target", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
 def test_a_wrong_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)
@@ -401,3 +464,10 @@ def test_stop_strings_are_held_back_across_chunks():
 def test_grpc_errors_map_to_http_statuses(code, status):
     error = from_grpc(grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="why"))
     assert error.status == status and error.body()["error"]["message"] == "why"
+
+
+def test_a_message_past_the_verify_receive_limit_is_413_not_429():
+    details = "SERVER: Received message larger than max (2000018 vs. 1327696)"
+    error = from_grpc(grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), details=details))
+    assert error.status == 413 and error.code == "request_too_large" and error.message == details

@@ -12,6 +12,8 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ddtree import __version__
+from ddtree.engine.request import MAX_PROMPT_CHARS_PER_TOKEN
+from ddtree.http.body_limit import BodyLimit, max_body_bytes
 from ddtree.http.errors import APIError, install_error_handlers
 from ddtree.http.generation import MODE_NAMES
 from ddtree.http.metrics import Metrics
@@ -32,6 +34,7 @@ class HttpConfig:
     request_timeout_s: float | None   # gRPC deadline of one generation (None: none)
     verify_tls_ca: str | None = None  # PEM roots: reach the verify service over TLS
     verify_metrics: str | None = None  # URL of the verify service's /metrics, appended to ours (None: not)
+    max_body_bytes: int | None = None  # larger request bodies get 413 (None: derived from max_context)
 
 
 class RequestCounter:
@@ -72,7 +75,14 @@ def create_app(config: HttpConfig, info: pb.ModelInfo, prompts: Prompts, metrics
 
     app = FastAPI(title="ddtree-serve OpenAI-compatible API", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(RequestCounter, metrics=metrics)
+    if config.max_body_bytes is None:
+        limit, why = max_body_bytes(info.max_context), (
+            f"a prompt of {info.max_context * MAX_PROMPT_CHARS_PER_TOKEN} characters, the context of "
+            f"{info.max_context} tokens, as JSON escapes, plus 1 MiB; --max-body-bytes")
+    else:
+        limit, why = config.max_body_bytes, "--max-body-bytes"
+    app.add_middleware(BodyLimit, max_bytes=limit, why=why)
+    app.add_middleware(RequestCounter, metrics=metrics)  # outermost: it counts the 413s too
 
     def service(request: Request) -> OpenAIService:
         return request.app.state.service

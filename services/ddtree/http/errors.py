@@ -49,8 +49,12 @@ def model_not_found(model: str, served: str) -> APIError:
 
 
 def from_grpc(exc: grpc.aio.AioRpcError) -> APIError:
+    details = exc.details() or exc.code().name
+    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+        # grpc's refusal of a message past the verify service's receive limit: too large, not busy
+        return APIError(413, details, "invalid_request_error", code="request_too_large")
     status, type_ = GRPC_TO_HTTP.get(exc.code(), (500, "server_error"))
-    return APIError(status, exc.details() or exc.code().name, type_)
+    return APIError(status, details, type_)
 
 
 def _validation_message(errors) -> tuple[str, str | None]:

@@ -40,6 +40,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="deadline of one generation (0: none); past it the client gets 504")
     p.add_argument("--grace-s", type=float, default=5.0, help="in-flight requests get this long after SIGTERM")
+    p.add_argument("--max-body-bytes", type=int, default=0,
+                   help="request bodies past this get 413 before they are read (0: the largest legal body, "
+                        "from the verify service's max_context)")
     p.set_defaults(func=run)
     return p
 
@@ -77,6 +80,8 @@ def serve(args: argparse.Namespace, log) -> int:
     from ddtree.http.prompts import Prompts
     from ddtree.http.verify_client import fetch_model_info
 
+    if args.max_body_bytes < 0:
+        raise ValueError(f"--max-body-bytes must be >= 0, got {args.max_body_bytes}")
     reason = wait_until_serving(args.verify, args.verify_wait_s, tls_ca=args.verify_tls_ca)
     if reason:
         log.error("http: the verify service at %s is not serving after %.0f s (%s)", args.verify,
@@ -87,7 +92,8 @@ def serve(args: argparse.Namespace, log) -> int:
     sock = listen(args.host, args.port)
     port = sock.getsockname()[1]
     config = HttpConfig(verify=args.verify, request_timeout_s=args.request_timeout_s or None,
-                        verify_tls_ca=args.verify_tls_ca, verify_metrics=args.verify_metrics)
+                        verify_tls_ca=args.verify_tls_ca, verify_metrics=args.verify_metrics,
+                        max_body_bytes=args.max_body_bytes or None)
     app = create_app(config, info, prompts, Metrics())
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
                                            timeout_graceful_shutdown=args.grace_s))

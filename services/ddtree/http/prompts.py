@@ -23,6 +23,7 @@ class Prompts:
         self.encoder, self.config, self.chat_template = encoder, encoder.config, chat_template
         self.tokenizer = encoder.tokenizer
         self.template = ChatTemplate(chat_template) if chat_template is not None else None
+        self.max_context = max_context
         self._max_chars = max_context * MAX_PROMPT_CHARS_PER_TOKEN
 
     @classmethod
@@ -38,6 +39,9 @@ class Prompts:
     def completion(self, prompt: str | list[int]) -> list[int]:
         """The shared completion rule (`PromptEncoder.completion`), with HTTP's cap and errors."""
         if not isinstance(prompt, str):
+            if len(prompt) >= self.max_context:  # before they are sent: verify would refuse them unparsed
+                raise invalid_request(f"the prompt has {len(prompt)} token ids; the context of {self.max_context} "
+                                      f"tokens takes at most {self.max_context - 1} (and one generated)", "prompt")
             return list(prompt)
         return self._tokenized(self.encoder.completion, prompt, "prompt")
 
