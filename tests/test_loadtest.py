@@ -201,6 +201,8 @@ def test_traced_generation_links_across_processes(stack, tmp_path):
             assert client["start"] <= server["start"] <= server["end"] <= client["end"]
     for step in steps:
         assert step["attributes"][S.STEP_BATCH_SIZE].int_value == 1
+        # the cost-aware budget policy's choice and what it weighed (ddtree.engine.budget)
+        assert step["attributes"][S.POLICY_WIDTH].int_value >= 2 and S.POLICY_CANDIDATES in step["attributes"]
         children = [s for s in spans if s["parent_span_id"] == step["span_id"]]
         names = {c["name"] for c in children}
         assert {S.component_span_name(c) for c in S.COMPONENTS} <= names, names

@@ -163,6 +163,16 @@ def test_model_info(verify):
     assert info.drafter == "drafter" and info.block_size == 5 and info.tp_size == 1
     assert set(info.modes) == {pb.MODE_DDTREE, pb.MODE_CHAIN, pb.MODE_AR} and info.tokenizer == "byte"
     assert info.max_budget == 32 and info.max_tokens_limit == 4000 and info.max_context == 4096
+    policy = info.budget_policy
+    assert policy.kind == "cost" and policy.max_budget == 32 and policy.confidence > 0
+
+
+def test_model_info_shows_the_policy_inputs_after_steps(verify):
+    generate(verify.port, [3, 1, 4, 1, 5], pb.MODE_DDTREE, max_tokens=12, ignore_eos=True)
+    with channel(verify.port) as ch:
+        policy = generation_pb2_grpc.GenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=10).budget_policy
+    assert policy.last_width >= 2 and policy.other_ms > 0
+    assert policy.verify_costs and all(c.batch >= 1 and c.width >= 1 and c.ms > 0 for c in policy.verify_costs)
 
 
 def test_stream_speculation_equals_ar(verify):

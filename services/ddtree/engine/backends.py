@@ -142,6 +142,85 @@ def concat_trees(parts: Sequence[TreeBatch]) -> TreeBatch:
                      draft_len=max(p.draft_len for p in parts))
 
 
+def cut_trees(trees: TreeBatch, rows: Sequence[int], nodes: int) -> TreeBatch:
+    """Rows `rows` keep their first `nodes` nodes: for best-first trees exactly the tree a budget
+    of `nodes` builds (the build pops nodes in that order). The batch narrows to its widest row."""
+    t = _clone(trees)
+    r = torch.tensor(list(rows), dtype=torch.long)
+    n = t.width
+    if nodes < n and len(r):
+        t.tokens[r, nodes:] = -1
+        t.depths[r, nodes:] = 0
+        t.parents[r, nodes + 1:] = -1
+        t.num_nodes[r] = t.num_nodes[r].clamp(max=nodes)
+        t.mask[r, nodes + 1:] = _self_bits(n + 1, t.mask.shape[2])[nodes + 1:]
+    return _narrow(t, int(t.num_nodes.max()) if len(t.num_nodes) else 0)
+
+
+def chain_trees(trees: TreeBatch, rows: Sequence[int], ids: torch.Tensor) -> TreeBatch:
+    """Rows `rows` become the chain of ids [len(rows), D] (node i at depth i, child of i - 1)."""
+    d = ids.shape[1]
+    t = _widen(_clone(trees), max(trees.width, d))
+    r = torch.tensor(list(rows), dtype=torch.long)
+    if len(r):
+        w, words = t.width, t.mask.shape[2]
+        t.tokens[r] = -1
+        t.tokens[r, :d] = ids.to(t.tokens.dtype)
+        t.depths[r] = 0
+        t.depths[r, :d] = torch.arange(1, d + 1, dtype=t.depths.dtype)
+        t.parents[r] = -1
+        t.parents[r, 1:d + 1] = torch.arange(0, d, dtype=t.parents.dtype)
+        t.num_nodes[r] = d
+        bits = _self_bits(w + 1, words).clone()
+        bits[:d + 1] = _chain_bits(d + 1, words)
+        t.mask[r] = bits
+    return _narrow(t, int(t.num_nodes.max()))
+
+
+def _clone(trees: TreeBatch) -> TreeBatch:
+    mask = trees.mask.view(torch.int64) if trees.mask.dtype == torch.uint64 else trees.mask
+    return TreeBatch(trees.tokens.clone(), trees.depths.clone(), trees.parents.clone(), trees.num_nodes.clone(),
+                     mask.clone(), draft_len=trees.draft_len)
+
+
+def _narrow(t: TreeBatch, width: int) -> TreeBatch:
+    words = (width + 1 + 63) // 64  # contiguous copies: the tree kernels read raw rows
+    return TreeBatch(t.tokens[:, :width].contiguous(), t.depths[:, :width].contiguous(),
+                     t.parents[:, :width + 1].contiguous(), t.num_nodes, t.mask[:, :width + 1, :words].contiguous(),
+                     draft_len=t.draft_len)
+
+
+def _widen(t: TreeBatch, width: int) -> TreeBatch:
+    b, pad = t.tokens.shape[0], width - t.width
+    if pad <= 0:
+        return t
+    words = (width + 1 + 63) // 64
+    mask = _self_bits(width + 1, words).expand(b, -1, -1).clone()
+    mask[:, :t.width + 1, :t.mask.shape[2]] = t.mask
+    return TreeBatch(torch.cat([t.tokens, torch.full((b, pad), -1, dtype=t.tokens.dtype)], 1),
+                     torch.cat([t.depths, torch.zeros(b, pad, dtype=t.depths.dtype)], 1),
+                     torch.cat([t.parents, torch.full((b, pad), -1, dtype=t.parents.dtype)], 1),
+                     t.num_nodes, mask, draft_len=t.draft_len)
+
+
+@functools.cache
+def _self_bits(rows: int, words: int) -> torch.Tensor:
+    """[rows, words] int64: row i holds bit i alone (a node that sees only itself)."""
+    out = torch.zeros(rows, words, dtype=torch.int64)
+    for i in range(rows):
+        out[i, i // 64] = _bit(i % 64)
+    return out
+
+
+@functools.cache
+def _chain_bits(rows: int, words: int) -> torch.Tensor:
+    """[rows, words] int64: row i holds bits 0..i (a chain's ancestor mask)."""
+    out = torch.zeros(rows, words, dtype=torch.int64)
+    for i in range(rows):
+        out[i:, i // 64] |= _bit(i % 64)
+    return out
+
+
 def _bit(i: int) -> int:
     """1 << i as a signed int64 value (bit 63 is the sign bit)."""
     return -(1 << 63) if i == 63 else 1 << i
@@ -228,9 +307,12 @@ class LocalTree:
         return TreeBatch.of(self._tree.build_trees(top_logprobs, top_ids, budget, backend=self.backend))
 
     def accept(self, step_id, trees, posterior):
-        t = self._tree.Trees(tokens=trees.tokens.to(torch.int32), depths=trees.depths.to(torch.int32),
-                             parents=trees.parents.to(torch.int32), num_nodes=trees.num_nodes.to(torch.int32),
-                             mask=trees.mask.view(torch.uint64) if trees.mask.dtype == torch.int64 else trees.mask,
+        mask = trees.mask.contiguous()
+        t = self._tree.Trees(tokens=trees.tokens.to(torch.int32).contiguous(),
+                             depths=trees.depths.to(torch.int32).contiguous(),
+                             parents=trees.parents.to(torch.int32).contiguous(),
+                             num_nodes=trees.num_nodes.to(torch.int32).contiguous(),
+                             mask=mask.view(torch.uint64) if mask.dtype == torch.int64 else mask,
                              draft_len=trees.draft_len)
         a = self._tree.accept(t, posterior.to(torch.int32), backend=self.backend)
         return Accepted(path=a.path.cpu(), length=a.length.cpu(), bonus=a.bonus.cpu(), keep=a.keep.cpu())

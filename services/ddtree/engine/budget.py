@@ -1,14 +1,24 @@
-"""The tree budget policy: how many draft nodes each request gets per step.
+"""The tree budget policy: how many draft nodes each request verifies per step.
 
-Why it shrinks with the batch: a verify forward costs about the same until the whole batch's
-tree tokens saturate the GPU's compute (memory-bound regime: the weights are read once per step
-whatever the token count). Past that point every extra node costs time. So the policy aims at a
-fixed number of verify tokens per step for the whole batch, `tokens_per_step`, and gives each of
-the B running requests `tokens_per_step / B - 1` nodes (the root is the extra token), rounded
-down to a power of two and clamped to [min_budget, max_budget]. The default 512 is where a
-Kimi-K2 TP8 MoE layer stops being memory-bound on H200 (benchmarks/results/h200/target_layer.txt
-measures it; set --tokens-per-step from that table on other hardware). Chain rows (block_size
-tokens each) and ar rows (1 token) of the same step are taken out of that amount first.
+Two layers:
+
+* **The cap** (`BudgetPolicy.budget`): at most `tokens_per_step` verify tokens for the batch's
+  tree rows, so each of B requests may get up to `tokens_per_step / B - 1` nodes (the root is the
+  extra token), rounded down to a power of two and clamped to [min_budget, max_budget]. Chain rows
+  (block_size tokens) and ar rows (1) of the step are taken out first. A client's own budget
+  replaces the cap (up to max_budget). With ``cost_aware`` off this cap is the budget itself.
+* **The cost-aware choice** (`choose_width`, ``cost_aware`` on, the default): trees are built up
+  to the cap, then the step's verify width is chosen to maximise expected accepted tokens per
+  millisecond of step, and every tree is cut to it. Best-first trees nest (the tree of n nodes is
+  the first n nodes the build pops), so cutting is exact. A request's expected tokens at width t
+  are 1 (the bonus) plus its tree's first t - 1 nodes' path probabilities under the drafter,
+  calibrated per request (`Calibration`): a temperature on the drafter's log-probabilities, then
+  ratios of accepted to predicted nodes kept apart for the main path (the top-1 chain) and for
+  side branches, because a drafter's side branches are accepted less often than their
+  probabilities say. The chain (the top path alone,
+  block_size - 1 nodes) is always a candidate, valued with the main-path calibration. The step's
+  cost is `VerifyCosts` (verify ms by batch and width: graph-replay timings from start-up where the
+  target has CUDA graphs, refreshed by every step) plus the step's other work (an average).
 
 When speculation does not pay (a request left to the server's choice of mode whose mean
 acceptance stays below `ar_below_acceptance` after `ar_after_steps` steps) the request falls
@@ -17,7 +27,11 @@ asked for ddtree or chain explicitly keeps its mode.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+import math
+from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -27,6 +41,7 @@ class BudgetPolicy:
     max_budget: int = 256
     ar_below_acceptance: float = 1.3
     ar_after_steps: int = 8
+    cost_aware: bool = True
 
     def __post_init__(self):
         if not 1 <= self.min_budget <= self.max_budget:
@@ -35,8 +50,8 @@ class BudgetPolicy:
             raise ValueError("tokens_per_step must be >= 2")
 
     def budget(self, batch_size: int, requested: int = 0, other_tokens: int = 0) -> int:
-        """Nodes (excluding the root) for one of `batch_size` ddtree requests of a step whose other
-        rows (chain: block_size tokens each, ar: 1) already take `other_tokens` verify tokens."""
+        """The cap: nodes (excluding the root) for one of `batch_size` ddtree requests of a step whose
+        other rows (chain: block_size tokens each, ar: 1) already take `other_tokens` verify tokens."""
         if requested > 0:
             return min(requested, self.max_budget)
         share = max(1, (self.tokens_per_step - other_tokens) // max(batch_size, 1) - 1)
@@ -45,3 +60,180 @@ class BudgetPolicy:
 
     def falls_back_to_ar(self, steps: int, mean_acceptance: float) -> bool:
         return steps >= self.ar_after_steps and mean_acceptance < self.ar_below_acceptance
+
+
+# ---- expected acceptance -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NodeOdds:
+    """Per tree row, the drafter's path probability of each node, in build (best-first) order."""
+
+    prob: torch.Tensor  # [R, N] float64, 0 for padding
+    main: torch.Tensor  # [R, N] bool: the node is on the top-1 path (every rank along it 0)
+
+
+def node_odds(tokens: torch.Tensor, depths: torch.Tensor, parents: torch.Tensor, top_lp: torch.Tensor,
+              top_ids: torch.Tensor) -> NodeOdds:
+    """The drafter's probabilities of the nodes of built trees: tokens/depths [R, N], parents
+    [R, N+1] (TreeBatch layout) and the top-k they were built from, top_lp/top_ids [R, D, K].
+
+    A node's rank is where its token sits in its depth's top-k (a depth's top-k ids are distinct);
+    its path log-probability is its parent's plus its own. Parents come before children, so D
+    passes over the nodes settle every depth."""
+    r, n = tokens.shape
+    if n == 0:
+        empty = torch.zeros(r, 0, dtype=torch.float64)
+        return NodeOdds(empty, empty.bool())
+    lp, ids = top_lp.detach().to("cpu", torch.float64), top_ids.detach().cpu()
+    tokens, depths, parents = tokens.long(), depths.long(), parents.long()
+    real = tokens >= 0
+    level = (depths - 1).clamp(0, lp.shape[1] - 1)
+    rows = torch.arange(r)[:, None]
+    match = ids[rows, level] == tokens[:, :, None]                  # [R, N, K]
+    rank = match.float().argmax(-1)
+    own = torch.where(real, lp[rows, level, rank], torch.zeros(()))  # [R, N]
+    own_main = real & (rank == 0)
+    par = parents[:, 1:].clamp_min(0)                               # parent node of node i (0: root)
+    path = torch.zeros(r, n + 1, dtype=torch.float64)
+    main = torch.zeros(r, n + 1, dtype=torch.bool)
+    main[:, 0] = True
+    for _ in range(int(depths.max().clamp_min(1))):
+        path[:, 1:] = own + path.gather(1, par)
+        main[:, 1:] = own_main & main.gather(1, par)
+    prob = torch.where(real, path[:, 1:].exp(), torch.zeros(()))
+    return NodeOdds(prob, main[:, 1:] & real)
+
+
+def chain_odds(top_lp: torch.Tensor) -> torch.Tensor:
+    """[R, D] the drafter's probability of each top-1 path prefix: the chain's nodes."""
+    return top_lp[:, :, 0].detach().to("cpu", torch.float64).cumsum(1).exp()
+
+
+MAX_FACTOR = 4.0  # accepted over predicted nodes, at most
+MIN_CONFIDENCE, MAX_CONFIDENCE = 0.1, 4.0  # the log-probability scale alpha
+
+
+@dataclass
+class Calibration:
+    """How far a request's drafter probabilities are from its measured acceptance.
+
+    `confidence` (alpha) is a temperature on the drafter's log-probabilities: a node's odds are
+    exp(alpha * path log-prob). A drafter under-confident along its paths (accepts more than its
+    probabilities say) gets alpha < 1, which raises deep nodes' odds more than shallow ones' (the
+    chain's deep nodes are what such a drafter under-prices most); an over-confident one gets
+    alpha > 1. It does not change the trees (a positive scale keeps the best-first order), only
+    what they are predicted to be worth. Updated each step from accepted against predicted nodes
+    (a multiplicative step, gain `gain`). What alpha leaves over is measured as accepted over
+    predicted nodes, main path and side branches apart (decayed sums)."""
+
+    decay: float = 0.9
+    main_hit: float = 0.0
+    main_odds: float = 0.0
+    side_hit: float = 0.0
+    side_odds: float = 0.0
+    prior: tuple[float, float] = (1.0, 1.0)  # used until a part has odds of 1 node or more
+    confidence: float = 1.0
+    gain: float = 0.25
+
+    def factors(self) -> tuple[float, float]:
+        main = self.main_hit / self.main_odds if self.main_odds >= 1.0 else self.prior[0]
+        side = self.side_hit / self.side_odds if self.side_odds >= 1.0 else self.prior[1]
+        return min(max(main, 0.0), MAX_FACTOR), min(max(side, 0.0), MAX_FACTOR)
+
+    def update(self, main_hit: float, main_odds: float, side_hit: float, side_odds: float) -> None:
+        """One step: accepted nodes and the odds the verified tree gave them, by part."""
+        d = self.decay
+        self.main_hit, self.main_odds = d * self.main_hit + main_hit, d * self.main_odds + main_odds
+        self.side_hit, self.side_odds = d * self.side_hit + side_hit, d * self.side_odds + side_odds
+        hit, odds = main_hit + side_hit, main_odds + side_odds
+        step = math.exp(-self.gain * (hit - odds) / max(odds, 1.0))
+        self.confidence = min(max(self.confidence * step, MIN_CONFIDENCE), MAX_CONFIDENCE)
+
+
+# ---- the step's cost -----------------------------------------------------------------------------
+
+@dataclass
+class VerifyCosts:
+    """Verify milliseconds of a step by (batch, width), width = rows per request (root included).
+
+    `bucket` maps a (batch, width) to the shape that really runs (the CUDA-graph bucket; identity
+    when eager). A bucket's cost is the exponential average of its measured steps, seeded by the
+    graph replay timings of start-up; a bucket never measured is read off a least-squares line
+    in verify tokens (bucket batch x bucket width) through all measurements, flat (every width
+    alike) until two different token counts were seen."""
+
+    bucket: Callable[[int, int], tuple[int, int]] = lambda b, t: (b, t)
+    alpha: float = 0.25
+    cells: dict[tuple[int, int], float] = field(default_factory=dict)
+    _seeded: set = field(default_factory=set)  # cells whose value is a start-up timing (GPU only)
+    _fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # n, sx, sy, sxx, sxy (decayed)
+
+    def seed(self, timings: dict[tuple[int, int], float]) -> None:
+        for cell, ms in timings.items():
+            self.cells[cell] = ms
+            self._seeded.add(cell)
+            self._add(cell[0] * cell[1], ms)
+
+    def observe(self, batch: int, width: int, ms: float) -> None:
+        """A step's measured verify wall time (the first one replaces a start-up seed)."""
+        cell = self.bucket(batch, width)
+        old = self.cells.get(cell)
+        first = old is None or cell in self._seeded
+        self._seeded.discard(cell)
+        self.cells[cell] = ms if first else old + self.alpha * (ms - old)
+        self._add(cell[0] * cell[1], ms)
+
+    def _add(self, x: float, y: float, decay: float = 0.995) -> None:
+        n, sx, sy, sxx, sxy = (v * decay for v in self._fit)
+        self._fit = [n + 1, sx + x, sy + y, sxx + x * x, sxy + x * y]
+
+    def predict(self, batch: int, width: int) -> float:
+        cell = self.bucket(batch, width)
+        if cell in self.cells:
+            return self.cells[cell]
+        n, sx, sy, sxx, sxy = self._fit
+        if n <= 0:
+            return 1.0
+        var = sxx - sx * sx / n
+        slope = max(0.0, (sxy - sx * sy / n) / var) if var > 1e-9 * max(sxx, 1.0) else 0.0
+        base = sy / n - slope * sx / n
+        return max(1e-3, base + slope * cell[0] * cell[1])
+
+
+# ---- the choice ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WidthChoice:
+    width: int             # verify rows per policy request, root included (1 + nodes)
+    chain: bool            # the policy rows verify their top-1 path only
+    expected_tokens: float  # the batch's expected emitted tokens (policy rows and the others)
+    predicted_ms: float    # the step, verify and the rest
+    candidates: tuple[tuple[str, float, float], ...]  # (label, expected tokens, ms) of each
+
+
+def expected_tokens(odds: NodeOdds, calib: Sequence[tuple[float, float]], widths: Sequence[int]) -> torch.Tensor:
+    """[R, W]: 1 + the calibrated sum of each row's first width - 1 node probabilities."""
+    main = torch.tensor([c[0] for c in calib], dtype=torch.float64)[:, None]
+    side = torch.tensor([c[1] for c in calib], dtype=torch.float64)[:, None]
+    per_node = torch.where(odds.main, odds.prob * main, odds.prob * side)
+    csum = torch.cat([torch.zeros(per_node.shape[0], 1, dtype=torch.float64), per_node.cumsum(1)], 1)
+    cols = torch.tensor([min(t - 1, per_node.shape[1]) for t in widths])
+    return 1.0 + csum[:, cols]
+
+
+def choose_width(tree_expected: torch.Tensor, widths: Sequence[int], chain_expected: torch.Tensor,
+                 chain_width: int, *, other_width: int, other_expected: float,
+                 step_ms: Callable[[int], float]) -> WidthChoice:
+    """The width (or the chain) that maximises the batch's expected tokens per step millisecond.
+
+    tree_expected [R, W]: each policy row's expected tokens at widths[j]; chain_expected [R]: with
+    the chain (width chain_width). The step verifies max(candidate, other_width) rows per request
+    (other rows: explicit budgets, chain and ar rows, worth other_expected tokens); step_ms(width)
+    prices a step of that width. Ties go to the chain, then to the narrower width."""
+    cands = [("chain", float(chain_expected.sum()) + other_expected, chain_width, True)]
+    cands += [(f"tree{t - 1}", float(tree_expected[:, j].sum()) + other_expected, t, False)
+              for j, t in enumerate(widths)]
+    priced = [(label, tokens, step_ms(max(width, other_width)), width, chain) for label, tokens, width, chain in cands]
+    label, tokens, ms, width, chain = max(priced, key=lambda c: (c[1] / c[2], c[4], -c[3]))
+    return WidthChoice(width=width, chain=chain, expected_tokens=tokens, predicted_ms=ms,
+                       candidates=tuple((lb, tk, m) for lb, tk, m, _, _ in priced))

@@ -33,9 +33,10 @@ from typing import Iterator, Protocol, Sequence
 
 import torch
 
-from ddtree.engine.backends import (FIELDS, Accepted, DraftItem, DrafterBackend, PeerUnavailable, TreeBackend, TreeBatch,
-                                    concat_trees)
-from ddtree.engine.budget import BudgetPolicy
+from ddtree.engine.backends import (FIELDS, Accepted, DraftItem, DrafterBackend, LocalDrafter, LocalTree,
+                                    PeerUnavailable, TreeBackend, TreeBatch, chain_trees, concat_trees, cut_trees)
+from ddtree.engine.budget import (BudgetPolicy, Calibration, NodeOdds, VerifyCosts, WidthChoice, chain_odds,
+                                  choose_width, expected_tokens, node_odds)
 from ddtree.engine.request import (FinishReason, Limits, Mode, Overloaded, RequestSpec)
 from ddtree.engine.scheduler import Scheduler, SchedulerConfig
 from ddtree.engine.stopping import StopChecker
@@ -157,6 +158,8 @@ class _Request:
     cancelled: bool = False
     finished: bool = False
     server_choice: bool = False        # mode left to the server (the ar fall-back may apply)
+    calibration: Calibration = field(default_factory=Calibration)  # accepted / predicted nodes (budget policy)
+    verified_main: torch.Tensor | None = None  # this step's policy tree: which nodes are on the top-1 path
 
 
 class Engine:
@@ -188,6 +191,18 @@ class Engine:
         self._on_fatal = on_fatal  # called once (engine thread) after a fatal error failed every request
         device = getattr(target, "device", None)
         self.timer = S.GpuTimer(enabled=device is not None and torch.device(device).type == "cuda", device=device)
+        # the cost-aware budget policy's inputs (ddtree.engine.budget): verify ms by the shape that
+        # runs (the graph bucket, when the target replays CUDA graphs), the rest of a step's ms, and
+        # a calibration every new request starts from
+        graphs = getattr(target, "graphs", None)
+        self.costs = VerifyCosts(bucket=(lambda b, t: graphs.buckets.pick(b, t) or (b, t)) if graphs is not None
+                                 else (lambda b, t: (b, t)))
+        self.costs.seed(getattr(graphs, "replay_ms", {}) or {})
+        self._graph_widths = tuple(graphs.buckets.nodes) if graphs is not None else ()
+        self._other_ms = 0.0
+        self._calibration = Calibration()
+        self._pending_odds: dict[int, torch.Tensor] = {}  # batch index -> odds of its verified tree's nodes
+        self.last_choice: WidthChoice | None = None
 
     # ---- public ----------------------------------------------------------------------------------
     @property
@@ -200,6 +215,16 @@ class Engine:
     def modes(self) -> tuple[Mode, ...]:
         spec = (Mode.DDTREE, Mode.CHAIN) if self.drafter is not None and self.tree is not None else ()
         return (*spec, Mode.AR)
+
+    def policy_info(self) -> dict:
+        """The budget policy and its current inputs (GetModelInfo)."""
+        p, (main, side) = self.config.budget, self._calibration.factors()
+        last = self.last_choice
+        return dict(kind="cost" if p.cost_aware else "share", tokens_per_step=p.tokens_per_step,
+                    min_budget=p.min_budget, max_budget=p.max_budget, confidence=self._calibration.confidence,
+                    main_factor=main, side_factor=side, other_ms=self._other_ms,
+                    verify_costs=[(b, t, ms) for (b, t), ms in sorted(dict(self.costs.cells).items())],
+                    last_width=last.width if last else 0, last_chain=bool(last and last.chain))
 
     def modes_now(self) -> tuple[Mode, ...]:
         """The modes served right now: without ddtree/chain while the drafter is bypassed."""
@@ -238,7 +263,8 @@ class Engine:
                                     top_p=spec.sampling.top_p), seed),
             stop=StopChecker(spec.sampling, self.tokenizer.decoder(), eos_token_ids=self.target.eos_token_ids,
                              max_new_tokens=max_new),
-            arrival=time.monotonic(), span=span, server_choice=spec.mode is None)
+            arrival=time.monotonic(), span=span, server_choice=spec.mode is None,
+            calibration=Calibration(prior=self._calibration.factors(), confidence=self._calibration.confidence))
         with self._wake:  # known before the loop can admit it (it may finish before submit returns)
             self._requests[rid] = req
         try:
@@ -362,12 +388,17 @@ class Engine:
         started = time.perf_counter()
         with S.step_span(self.tracer, step_id=step_id, batch_size=len(batch), mode=step_mode, budget=budget,
                          requests=[r.span for r in batch], tp_size=self.target.tp_size) as step:
-            trees = self._propose(step_id, batch, spec_rows)
+            trees, top = self._propose(step_id, batch, spec_rows)
+            if top is not None:
+                trees = self._choose_width(step, batch, trees, *top)
             roots = torch.tensor([r.bonus for r in batch], dtype=torch.int64)
+            verify_started = time.perf_counter()
             with self._component(S.VERIFY, backend="local"), self.timer.region(S.VERIFY):
                 posterior, features = self.target.verify([r.seq_id for r in batch], roots, trees,
                                                          [r.sampler for r in batch])  # syncs (posterior on host)
+            verify_ms = (time.perf_counter() - verify_started) * 1e3
             accepted = self._accept(step_id, trees, posterior)
+            self._calibrate(batch, accepted)
             with self._component(S.COMMIT, backend="local"), self.timer.region(S.COMMIT):
                 self.target.commit([r.seq_id for r in batch], accepted.keep)
                 committed = self._commit(batch, trees, accepted, features)
@@ -375,6 +406,10 @@ class Engine:
             if self._down:
                 step.set_attribute(S.DEGRADATION, "; ".join(reason for _, reason in self._down.values()))
             S.end_step(step, tree_nodes=int(trees.num_nodes.sum()) + len(batch), accepted_tokens=committed)
+        step_ms = (time.perf_counter() - started) * 1e3
+        self.costs.observe(len(batch), trees.width + 1, verify_ms)
+        self._other_ms += 0.25 * (max(0.0, step_ms - verify_ms) - self._other_ms) if self._step_id > 1 else \
+            max(0.0, step_ms - verify_ms)
         if self.metrics is not None:
             self.metrics.step_done(len(batch), time.perf_counter() - started, self._components)
 
@@ -400,6 +435,95 @@ class Engine:
         other = sum(1 + self._draft_len() if r.mode is Mode.CHAIN else 1 for r in batch if r.mode is not Mode.DDTREE)
         for r in batch:
             r.budget = policy.budget(tree_rows, r.spec.budget, other) if r.mode is Mode.DDTREE else 0
+
+    def _gpu_region(self, component: str, backend):
+        """CUDA events around an in-process backend's launches (its gpu_ms in the trace); a remote
+        peer reports its own server timing instead."""
+        return self.timer.region(component) if isinstance(backend, (LocalDrafter, LocalTree)) else \
+            contextlib.nullcontext()
+
+    def _policy_rows(self, batch: list[_Request]) -> list[int]:
+        """Batch indices whose tree width the cost-aware policy picks: ddtree rows without a
+        client budget."""
+        if not self.config.budget.cost_aware:
+            return []
+        return [i for i, r in enumerate(batch) if r.mode is Mode.DDTREE and r.spec.budget <= 0]
+
+    def _choose_width(self, step, batch: list[_Request], trees: TreeBatch, spec_rows, top_lp, top_ids) -> TreeBatch:
+        """The cost-aware choice (ddtree.engine.budget): cuts the policy rows' trees (built up to the
+        cap) to the width that maximises expected tokens per step millisecond, or makes them chains."""
+        rows = [i for i in self._policy_rows(batch) if int(trees.num_nodes[i]) > 0]
+        self.last_choice = None
+        if not rows:
+            return trees
+        where = {id(r): j for j, r in enumerate(spec_rows)}
+        drafted = torch.tensor([where[id(batch[i])] for i in rows])
+        ids = top_ids[drafted]
+        # the drafter's log-probs at each request's calibrated confidence: the same trees (best-first
+        # order is unchanged by a positive scale), their odds as acceptance has borne them out
+        alpha = torch.tensor([batch[i].calibration.confidence for i in rows], dtype=torch.float64)
+        lp = top_lp[drafted].detach().to("cpu", torch.float64) * alpha[:, None, None]
+        idx = torch.tensor(rows)
+        odds = node_odds(trees.tokens[idx], trees.depths[idx], trees.parents[idx], lp, ids)
+        calib = [batch[i].calibration.factors() for i in rows]
+        built = int(trees.num_nodes[idx].max()) + 1
+        widths = sorted({t for t in self._candidate_widths(built)})
+        tree_exp = expected_tokens(odds, calib, widths)
+        chain_p = chain_odds(lp)
+        chain_exp = 1.0 + torch.tensor([c[0] for c in calib], dtype=torch.float64) * chain_p.sum(1)
+        others = [i for i in range(len(batch)) if i not in set(rows)]
+        other_width = max((int(trees.num_nodes[i]) + 1 for i in others), default=1)
+        other_exp = sum(batch[i].committed / batch[i].steps if batch[i].steps else 1.0 for i in others)
+        n = len(batch)
+        choice = choose_width(tree_exp, widths, chain_exp, chain_p.shape[1] + 1, other_width=other_width,
+                              other_expected=other_exp, step_ms=lambda w: self._other_ms + self.costs.predict(n, w))
+        self.last_choice = choice
+        if step.is_recording():
+            step.set_attributes({S.POLICY_WIDTH: choice.width, S.POLICY_CHAIN: choice.chain,
+                                 S.POLICY_EXPECTED_TOKENS: round(choice.expected_tokens, 3),
+                                 S.POLICY_PREDICTED_MS: round(choice.predicted_ms, 3),
+                                 S.POLICY_CANDIDATES: "; ".join(f"{lb} {tk:.2f}/{ms:.2f}"
+                                                                for lb, tk, ms in choice.candidates)})
+        if choice.chain:
+            d = chain_p.shape[1]
+            trees = chain_trees(trees, rows, ids[:, :, 0])
+            for i in rows:
+                batch[i].verified_main = torch.ones(d, dtype=torch.bool)
+                batch[i].budget = d
+            odds = NodeOdds(chain_p, torch.ones_like(chain_p, dtype=torch.bool))
+        else:
+            trees = cut_trees(trees, rows, choice.width - 1)
+            for j, i in enumerate(rows):
+                batch[i].verified_main = odds.main[j, :choice.width - 1]
+                batch[i].budget = choice.width - 1
+        self._pending_odds = {i: odds.prob[j, :len(batch[i].verified_main)] for j, i in enumerate(rows)}
+        return trees
+
+    def _candidate_widths(self, built: int) -> list[int]:
+        """Verify widths the policy weighs, at most the built one: the CUDA-graph node buckets, or
+        1 + min_budget, doubling, when the verify runs eager."""
+        policy = self.config.budget
+        if self._graph_widths:
+            widths = [t for t in self._graph_widths if 2 <= t <= built]
+        else:
+            widths, n = [], policy.min_budget
+            while n + 1 < built:
+                widths.append(n + 1)
+                n *= 2
+        return (widths or [built]) + ([built] if built not in widths else [])
+
+    def _calibrate(self, batch: list[_Request], accepted: Accepted) -> None:
+        """Accepted nodes of each policy row against what its tree's odds predicted."""
+        pending, self._pending_odds = self._pending_odds, {}
+        for i, prob in pending.items():
+            req = batch[i]
+            main = req.verified_main
+            req.verified_main = None
+            path = accepted.path[i, 1:int(accepted.length[i])].long() - 1  # accepted nodes, 0-based
+            hit_main = int(main[path].sum()) if len(path) else 0
+            parts = (hit_main, float(prob[main].sum()), len(path) - hit_main, float(prob[~main].sum()))
+            req.calibration.update(*parts)
+            self._calibration.update(*parts)
 
     def _to_ar(self, req: _Request, reason: str = "") -> None:
         req.mode, req.new_features = Mode.AR, None
@@ -450,8 +574,9 @@ class Engine:
         self._down[name] = (time.monotonic(), reason)
         return reason
 
-    def _propose(self, step_id: int, batch: list[_Request], spec_rows: list[_Request]) -> TreeBatch:
-        """Draft and build the trees of the speculative rows; roots only for the rest."""
+    def _propose(self, step_id: int, batch: list[_Request], spec_rows: list[_Request]):
+        """Draft and build the trees of the speculative rows; roots only for the rest. Returns the
+        trees and (the drafted rows, their top-k log-probs and ids), None when nothing was built."""
         top_lp = top_ids = None
         if spec_rows and not self._peer_ok("drafter"):
             for r in spec_rows:
@@ -462,7 +587,8 @@ class Engine:
                     self.config.max_top_k, self.drafter.vocab_size)
             items = [DraftItem(r.id, r.bonus, r.position, r.new_features) for r in spec_rows]
             try:
-                with self._component(S.DRAFT, backend=self.drafter.name) as span:
+                with self._component(S.DRAFT, backend=self.drafter.name) as span, \
+                        self._gpu_region(S.DRAFT, self.drafter):
                     top_lp, top_ids = self.drafter.draft(step_id, items, k)
                     S.record_server_timing(span, getattr(self.drafter, "last_timing", None))
             except (PeerUnavailable, ValueError) as exc:  # ValueError: the drafter refused our call
@@ -482,18 +608,20 @@ class Engine:
             log.error("tree build failed for step %d: %s; verifying the roots only", step_id, exc)
             parts.clear()
             whole = None
+        top = (spec_rows, top_lp, top_ids) if parts else None
         if whole is not None and len(spec_rows) == len(batch):  # one build, batch order: the usual case
-            return whole
+            return whole, top
         if not parts:  # all rows ar (or the build failed): one roots-only batch, no per-row padding
-            return TreeBatch.roots_only(len(batch))
+            return TreeBatch.roots_only(len(batch)), None
         rows = [parts.get(id(r)) or TreeBatch.roots_only(1) for r in batch]
-        return concat_trees(rows)
+        return concat_trees(rows), top
 
     def _build_rows(self, step_id, spec_rows, top_lp, top_ids, parts) -> TreeBatch | None:
         """Builds per mode into `parts` (row id -> tree); returns the build when one covered all rows."""
         whole = None
         if spec_rows:
-            with self._component(S.TREE_BUILD, backend=self._tree_name()) as span:
+            with self._component(S.TREE_BUILD, backend=self._tree_name()) as span, \
+                    self._gpu_region(S.TREE_BUILD, self.tree if "treebuild" not in self._down else self.local_tree):
                 for mode in (Mode.DDTREE, Mode.CHAIN):
                     rows = [i for i, r in enumerate(spec_rows) if r.mode is mode]
                     if not rows:
@@ -527,7 +655,8 @@ class Engine:
             b = posterior.shape[0]
             zeros = torch.zeros(b, 1, dtype=torch.int64)
             return Accepted(path=zeros, length=torch.ones(b, dtype=torch.int64), bonus=posterior[:, 0], keep=zeros)
-        with self._component(S.ACCEPT, backend=self._tree_name()) as span:
+        with self._component(S.ACCEPT, backend=self._tree_name()) as span, \
+                self._gpu_region(S.ACCEPT, self.tree if "treebuild" not in self._down else self.local_tree):
             if self.tree is not self.local_tree and self._peer_ok("treebuild"):
                 try:
                     accepted = self.tree.accept(step_id, trees, posterior)

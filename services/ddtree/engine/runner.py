@@ -227,6 +227,26 @@ class BucketGraphs:
                  extra={"graphs": len(self.graphs), "capture_s": round(self.capture_s, 2)})
 
 
+    @torch.inference_mode()
+    def _time_replays(self, reps: int = 2) -> dict[tuple[int, int], float]:
+        """GPU ms of one replay of each bucket on idle rows: the budget policy's start-up cost table
+        (live steps refresh it; idle rows hit fewer MoE experts than real ones)."""
+        out = {}
+        for bucket, graph in self.graphs.items():
+            self._fill_idle(*bucket)
+            used = self._size(*bucket)
+            self.dev[:used].copy_(self.host[:used])
+            graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            out[bucket] = start.elapsed_time(end) / reps
+        return out
+
+
 class VerifyGraphs(BucketGraphs):
     """Bucketed verify over a TargetModel with an allocated cache."""
 
@@ -251,8 +271,11 @@ class VerifyGraphs(BucketGraphs):
         fw = len(model.feature_layers) * hidden
         self.features = torch.zeros(n, fw, dtype=model.dtype, device=model.device) if fw else None
         self._masks = {t: self_only_mask(bmax, t) for t in buckets.nodes}
+        self.replay_ms: dict[tuple[int, int], float] = {}
         if mode == "graph":
             self._capture_all()
+            if not model.tp.enabled:  # tensor-parallel followers replay only what rank 0 announces
+                self.replay_ms = self._time_replays()
 
     # ---- layout: one int64 buffer, each bucket's inputs packed from its start ---------------------
     def _shapes(self, b: int, t: int) -> list[tuple[int, ...]]:

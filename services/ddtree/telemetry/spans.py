@@ -87,6 +87,12 @@ STEP_BUDGET = "ddtree.step.budget"                       # per-request tree budg
 STEP_TREE_NODES = "ddtree.step.tree_nodes"               # nodes verified, summed over the batch
 STEP_ACCEPTED_TOKENS = "ddtree.step.accepted_tokens"     # tokens committed, summed over the batch
 STEP_TP_SIZE = "ddtree.step.tp_size"
+# the cost-aware budget policy's choice for the step (ddtree.engine.budget)
+POLICY_WIDTH = "ddtree.policy.width"                     # verify rows per policy request, root included
+POLICY_CHAIN = "ddtree.policy.chain"                     # the policy rows verified their top-1 path only
+POLICY_EXPECTED_TOKENS = "ddtree.policy.expected_tokens"  # the batch's expected emitted tokens
+POLICY_PREDICTED_MS = "ddtree.policy.predicted_ms"       # the step's predicted milliseconds
+POLICY_CANDIDATES = "ddtree.policy.candidates"           # "label tokens/ms; ..." of every candidate
 # Component and GPU spans.
 COMPONENT = "ddtree.component"                           # one of COMPONENTS
 BACKEND = "ddtree.backend"                               # "remote", "local", "cuda", "cpu"

@@ -120,7 +120,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "model_type", "vocab_size", "max_context", "tp_size", "drafter", "block_size", "eos_token_ids", "modes", "max_budget", "max_tokens_limit", "tokenizer", "version")
+    __slots__ = ("model", "model_type", "vocab_size", "max_context", "tp_size", "drafter", "block_size", "eos_token_ids", "modes", "max_budget", "max_tokens_limit", "tokenizer", "version", "budget_policy")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class ModelInfo(_message.Message):
     MAX_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_POLICY_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_type: str
     vocab_size: int
@@ -147,4 +148,41 @@ class ModelInfo(_message.Message):
     max_tokens_limit: int
     tokenizer: str
     version: str
-    def __init__(self, model: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., tp_size: _Optional[int] = ..., drafter: _Optional[str] = ..., block_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., modes: _Optional[_Iterable[_Union[Mode, str]]] = ..., max_budget: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., tokenizer: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    budget_policy: BudgetPolicyInfo
+    def __init__(self, model: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., tp_size: _Optional[int] = ..., drafter: _Optional[str] = ..., block_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., modes: _Optional[_Iterable[_Union[Mode, str]]] = ..., max_budget: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., tokenizer: _Optional[str] = ..., version: _Optional[str] = ..., budget_policy: _Optional[_Union[BudgetPolicyInfo, _Mapping]] = ...) -> None: ...
+
+class BudgetPolicyInfo(_message.Message):
+    __slots__ = ("kind", "tokens_per_step", "min_budget", "max_budget", "confidence", "main_factor", "side_factor", "other_ms", "verify_costs", "last_width", "last_chain")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    MIN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MAX_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    MAIN_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    SIDE_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    OTHER_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_COSTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHAIN_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    tokens_per_step: int
+    min_budget: int
+    max_budget: int
+    confidence: float
+    main_factor: float
+    side_factor: float
+    other_ms: float
+    verify_costs: _containers.RepeatedCompositeFieldContainer[VerifyCost]
+    last_width: int
+    last_chain: bool
+    def __init__(self, kind: _Optional[str] = ..., tokens_per_step: _Optional[int] = ..., min_budget: _Optional[int] = ..., max_budget: _Optional[int] = ..., confidence: _Optional[float] = ..., main_factor: _Optional[float] = ..., side_factor: _Optional[float] = ..., other_ms: _Optional[float] = ..., verify_costs: _Optional[_Iterable[_Union[VerifyCost, _Mapping]]] = ..., last_width: _Optional[int] = ..., last_chain: _Optional[bool] = ...) -> None: ...
+
+class VerifyCost(_message.Message):
+    __slots__ = ("batch", "width", "ms")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    batch: int
+    width: int
+    ms: float
+    def __init__(self, batch: _Optional[int] = ..., width: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...

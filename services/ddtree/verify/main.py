@@ -92,6 +92,11 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
                    help="budget policy: verify tokens per step, shared by the batch's trees (default: "
                         f"{GPU_TOKENS_PER_STEP} on a GPU, where a verify costs about the same up to hundreds of "
                         f"tokens; {CPU_TOKENS_PER_STEP} on CPU, where its cost grows with every token)")
+    s.add_argument("--budget-policy", choices=("cost", "share"), default="cost",
+                   help="cost: each step's tree width maximises expected tokens per millisecond of step (the "
+                        "drafter's calibrated odds against verify costs measured per shape; the chain is always a "
+                        "candidate), within the --tokens-per-step cap; share: every tree gets the cap "
+                        "(default cost)")
     s.add_argument("--min-budget", type=int, default=4, help="budget policy: smallest per-request budget")
     s.add_argument("--max-budget", type=int, default=256, help="largest tree budget (policy and clients)")
     s.add_argument("--ar-below-acceptance", type=float, default=BudgetPolicy.ar_below_acceptance,
@@ -134,7 +139,8 @@ def engine_config(args, device: str = "cpu"):
         budget=BudgetPolicy(tokens_per_step=(default_tokens_per_step(device) if args.tokens_per_step is None
                                              else args.tokens_per_step),
                             min_budget=min(args.min_budget, args.max_budget),
-                            max_budget=args.max_budget, ar_below_acceptance=args.ar_below_acceptance),
+                            max_budget=args.max_budget, ar_below_acceptance=args.ar_below_acceptance,
+                            cost_aware=args.budget_policy == "cost"),
         max_tokens_limit=args.max_tokens_limit, default_max_tokens=min(args.default_max_tokens, args.max_tokens_limit),
         max_top_k=args.max_top_k, reattach_after_s=args.reattach_after_s,
         prefill_tokens_per_step=(default_prefill_tokens_per_step(device) if args.prefill_tokens_per_step is None

@@ -136,4 +136,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             block_size=self.block_size if e.drafter is not None else 0,
             eos_token_ids=list(e.target.eos_token_ids), modes=[MODE_TO_PB[m] for m in e.modes_now()],
             max_budget=limits.max_budget, max_tokens_limit=limits.max_tokens_limit,
-            tokenizer=e.tokenizer.kind, version=__version__)
+            tokenizer=e.tokenizer.kind, version=__version__, budget_policy=_policy_pb(e.policy_info()))
+
+
+def _policy_pb(info: dict) -> pb.BudgetPolicyInfo:
+    costs = [pb.VerifyCost(batch=b, width=t, ms=ms) for b, t, ms in info.pop("verify_costs")]
+    return pb.BudgetPolicyInfo(verify_costs=costs, **info)
