@@ -78,8 +78,7 @@ def node_odds(tokens: torch.Tensor, depths: torch.Tensor, parents: torch.Tensor,
     [R, N+1] (TreeBatch layout) and the top-k they were built from, top_lp/top_ids [R, D, K].
 
     A node's rank is where its token sits in its depth's top-k (a depth's top-k ids are distinct);
-    its path log-probability is its parent's plus its own. Parents come before children, so D
-    passes over the nodes settle every depth."""
+    its path log-probability is its parent's plus its own."""
     r, n = tokens.shape
     if n == 0:
         empty = torch.zeros(r, 0, dtype=torch.float64)
@@ -90,18 +89,20 @@ def node_odds(tokens: torch.Tensor, depths: torch.Tensor, parents: torch.Tensor,
     level = (depths - 1).clamp(0, lp.shape[1] - 1)
     rows = torch.arange(r)[:, None]
     match = ids[rows, level] == tokens[:, :, None]                  # [R, N, K]
-    rank = match.float().argmax(-1)
+    rank = match.max(-1).indices
     own = torch.where(real, lp[rows, level, rank], torch.zeros(()))  # [R, N]
-    own_main = real & (rank == 0)
-    par = parents[:, 1:].clamp_min(0)                               # parent node of node i (0: root)
-    path = torch.zeros(r, n + 1, dtype=torch.float64)
-    main = torch.zeros(r, n + 1, dtype=torch.bool)
-    main[:, 0] = True
-    for _ in range(int(depths.max().clamp_min(1))):
-        path[:, 1:] = own + path.gather(1, par)
-        main[:, 1:] = own_main & main.gather(1, par)
+    zero = torch.zeros(r, 1, dtype=torch.float64)
+    # sums over each node's ancestors by pointer jumping (log2(depth) passes): the root points at
+    # itself and holds 0, so a jump past it adds nothing
+    path = torch.cat([zero, own], 1)
+    off_main = torch.cat([zero, (real & (rank != 0)).double()], 1)  # ranks > 0 along the path
+    up = torch.cat([torch.zeros(r, 1, dtype=torch.long), parents[:, 1:].clamp_min(0)], 1)
+    for _ in range(max(1, int(depths.max()).bit_length())):
+        path = path + path.gather(1, up)
+        off_main = off_main + off_main.gather(1, up)
+        up = up.gather(1, up)
     prob = torch.where(real, path[:, 1:].exp(), torch.zeros(()))
-    return NodeOdds(prob, main[:, 1:] & real)
+    return NodeOdds(prob, (off_main[:, 1:] == 0) & real)
 
 
 def chain_odds(top_lp: torch.Tensor) -> torch.Tensor:

@@ -458,7 +458,7 @@ class Engine:
             return trees
         where = {id(r): j for j, r in enumerate(spec_rows)}
         drafted = torch.tensor([where[id(batch[i])] for i in rows])
-        ids = top_ids[drafted]
+        ids = top_ids[drafted].cpu()  # the trees are on the host (TreeBatch); the draft may be on a GPU
         # the drafter's log-probs at each request's calibrated confidence: the same trees (best-first
         # order is unchanged by a positive scale), their odds as acceptance has borne them out
         alpha = torch.tensor([batch[i].calibration.confidence for i in rows], dtype=torch.float64)
