@@ -96,8 +96,8 @@ def wall_us(fn, reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def inputs(batch: int, budget: int, seed: int = 0):
-    lp, ids = random_topk(batch, DEPTH, budget, generator=torch.Generator().manual_seed(seed))
+def inputs(batch: int, budget: int, seed: int = 0, depth: int = DEPTH):
+    lp, ids = random_topk(batch, depth, budget, generator=torch.Generator().manual_seed(seed))
     return lp.cuda(), ids.cuda()
 
 
@@ -215,8 +215,8 @@ def header(title: str, command: str) -> list[str]:
             f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}", f"command: {command}", ""]
 
 
-def run_kernels(reps: int, command: str, batches=BATCHES, budgets=KERNEL_BUDGETS) -> list[str]:
-    lines = header(f"Tree build / accept kernels, D = {DEPTH}, K = budget; median of {reps} calls, microseconds",
+def run_kernels(reps: int, command: str, batches=BATCHES, budgets=KERNEL_BUDGETS, depth: int = DEPTH) -> list[str]:
+    lines = header(f"Tree build / accept kernels, D = {depth}, K = budget; median of {reps} calls, microseconds",
                    command)
     lines.append("build: the block kernel (one block of 256 threads per request; cuda_kernel=\"block\");")
     lines.append("build_warp: the warp kernel (one block of four warps per request, warp 0 runs the sorted-frontier loop;")
@@ -231,7 +231,7 @@ def run_kernels(reps: int, command: str, batches=BATCHES, budgets=KERNEL_BUDGETS
                  f"{'build_ev':>9} {'warp_ev':>9} {'accept_ev':>10} {'nodes/tree':>11} {'same':>5}")
     for budget in budgets:
         for batch in batches:
-            lp, ids = inputs(batch, budget)
+            lp, ids = inputs(batch, budget, depth=depth)
             trees = build_trees(lp, ids, budget, "cuda", cuda_kernel="block")
             cpu_trees = build_trees(lp.cpu(), ids.cpu(), budget, "cpu")
             same = trees_equal(trees, cpu_trees) and trees_equal(
@@ -255,9 +255,9 @@ def run_kernels(reps: int, command: str, batches=BATCHES, budgets=KERNEL_BUDGETS
     return lines
 
 
-def run_vs_sglang(command: str, budget_s: float, batches=BATCHES, budgets=BUDGETS) -> list[str]:
+def run_vs_sglang(command: str, budget_s: float, batches=BATCHES, budgets=BUDGETS, depth: int = DEPTH) -> list[str]:
     lines = header("Tree build: SGLang-style CPU path (a) vs cpu backend (b) vs cuda backend (c); "
-                   f"D = {DEPTH}, K = budget; wall time per batch (median), microseconds", command)
+                   f"D = {depth}, K = budget; wall time per batch (median), microseconds", command)
     lines.append("(a) per request: top-k .cpu(), Python heapq build, numpy visibility matrix, tensors back "
                  "to the GPU (our re-implementation of SGLang's DDTree worker path)")
     lines.append("(b) top-k to host, C++ build (threads), results back to the GPU;  (c) cuda launch + sync;"
@@ -267,7 +267,7 @@ def run_vs_sglang(command: str, budget_s: float, batches=BATCHES, budgets=BUDGET
                  f"{'a/c':>9} {'b/c':>7} {'a/c_dev':>9}")
     for budget in budgets:
         for batch in batches:
-            lp, ids = inputs(batch, budget, seed=1)
+            lp, ids = inputs(batch, budget, seed=1, depth=depth)
             t0 = time.perf_counter()
             sglang_style_build(lp, ids, budget)
             one = time.perf_counter() - t0
@@ -310,6 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="batches 64/128 only, --reps 200, a shorter (a) path; still writes every file")
     parser.add_argument("--selfcheck-trees", type=int, default=10240, help="trees in selfcheck.txt")
+    parser.add_argument("--depth", type=int, default=DEPTH, help=f"draft depth D of the tables (default {DEPTH}; "
+                        "Kimi-K2.5-DFlash: 7)")
+    parser.add_argument("--batches", type=lambda v: tuple(int(x) for x in v.split(",")), default=None,
+                        help="batch sizes of the tables (default: 64,128 with --quick, else "
+                             f"{','.join(map(str, BATCHES))})")
+    parser.add_argument("--budgets", type=lambda v: tuple(int(x) for x in v.split(",")), default=None,
+                        help="budgets of both tables (default: each table's own list)")
     parser.add_argument("--profile", type=int, nargs=2, metavar=("BATCH", "BUDGET"),
                         help="only 20 builds and accepts of one size (for a profiler)")
     args = parser.parse_args(argv)
@@ -333,14 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     passed, check = run_selfcheck(args.selfcheck_trees)
     (args.out / "selfcheck.txt").write_text("\n".join(check) + "\n")
-    batches = (64, 128) if args.quick else BATCHES
+    batches = args.batches or ((64, 128) if args.quick else BATCHES)
+    tables = dict(depth=args.depth, **({"budgets": args.budgets} if args.budgets else {}))
     reps = min(args.reps, 200) if args.quick else args.reps
     sglang_s = min(args.sglang_seconds, 0.5) if args.quick else args.sglang_seconds
     t0 = time.perf_counter()
-    (args.out / "kernels.txt").write_text("\n".join(run_kernels(reps, command, batches)) + "\n")
+    (args.out / "kernels.txt").write_text("\n".join(run_kernels(reps, command, batches, **tables)) + "\n")
     print(f"kernels: {time.perf_counter() - t0:.0f} s", flush=True)
     (args.out / "tree_build_vs_sglang.txt").write_text(
-        "\n".join(run_vs_sglang(command, sglang_s, batches)) + "\n")
+        "\n".join(run_vs_sglang(command, sglang_s, batches, **tables)) + "\n")
     return 0 if passed else 1
 
 
