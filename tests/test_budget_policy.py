@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ddtree import tree
-from ddtree.engine.backends import LocalTree, TreeBatch, chain_trees, cut_trees
+from ddtree.engine.backends import LocalTree, chain_trees, cut_trees, on_host
 from ddtree.engine import budget
 from ddtree.engine.budget import (Calibration, NodeOdds, VerifyCosts, chain_odds, choose_width, expected_tokens,
                                   node_odds)
@@ -22,7 +22,7 @@ def draft(b, d, k, seed, sharp=2.0):
 
 
 def built(lp, ids, budget):
-    return TreeBatch.of(tree.build_trees(lp, ids, budget, backend="cpu"))
+    return on_host(tree.build_trees(lp, ids, budget, backend="cpu"))
 
 
 def ref_scores(lp, ids, budget):

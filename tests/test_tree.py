@@ -57,7 +57,7 @@ def test_per_request_budgets_and_threads():
     lp, ids = random_topk(64, 6, 8, generator=gen)
     budgets = [int(b) for b in torch.randint(8, 100, (64,), generator=gen)]
     got = build_trees(lp, ids, budgets, "cpu", threads=4)
-    assert got.budget == max(budgets)
+    assert got.width == max(budgets)
     assert got.num_nodes.tolist() == budgets
     assert_trees_equal(got, build_trees(lp, ids, budgets, "reference"))
 
@@ -71,7 +71,7 @@ def test_mask_visibility_and_positions_follow_parents():
     for b in range(3):
         n = int(trees.num_nodes[b])
         parents = trees.parents[b].tolist()
-        expected = torch.zeros(trees.budget + 1, trees.budget + 1, dtype=torch.bool)
+        expected = torch.zeros(trees.width + 1, trees.width + 1, dtype=torch.bool)
         for i in range(n + 1):
             j, depth = i, -1
             while j >= 0:
@@ -79,7 +79,7 @@ def test_mask_visibility_and_positions_follow_parents():
                 j, depth = parents[j], depth + 1
             assert positions[b, i] == depth
         assert torch.equal(visible[b], expected)
-        assert np.array_equal(trees.mask[b].numpy(), reference.ancestor_mask(parents[: n + 1], trees.budget + 1))
+        assert np.array_equal(trees.mask[b].numpy(), reference.ancestor_mask(parents[: n + 1], trees.width + 1))
 
 
 def deepest_path(trees: Trees, b: int) -> list[int]:
@@ -94,7 +94,7 @@ def deepest_path(trees: Trees, b: int) -> list[int]:
 
 def path_posterior(trees: Trees, b: int, path: list[int], stop_token: int) -> torch.Tensor:
     """A posterior that follows `path` and then picks `stop_token` at its last node."""
-    post = torch.randint(0, 50021, (trees.budget + 1,))
+    post = torch.randint(0, 50021, (trees.width + 1,))
     for node, nxt in zip(path, path[1:]):
         post[node] = trees.tokens[b, nxt - 1]
     post[path[-1]] = stop_token

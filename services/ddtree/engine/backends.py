@@ -13,6 +13,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from ddtree.tree.structures import Accepted, Trees
+
 
 FIELDS = ("tokens", "depths", "parents", "num_nodes", "mask")
 
@@ -92,37 +94,19 @@ class RemotePeer:
             pass
 
 
-@dataclass
-class TreeBatch:
-    """Trees of one verify batch, node 0 = root (the bonus token); same layout as TreeRefs."""
-
-    tokens: torch.Tensor     # [B, N] int32/64 node tokens 1..N (-1 padding)
-    depths: torch.Tensor     # [B, N] node depths (0 padding)
-    parents: torch.Tensor    # [B, N + 1] parent index (-1 for the root and padding)
-    num_nodes: torch.Tensor  # [B] real nodes excluding the root
-    mask: torch.Tensor       # [B, N + 1, ceil((N + 1) / 64)] ancestor bitmask words (uint64 or int64)
-    draft_len: int = 0       # D: deepest possible node (accept paths have D + 1 slots)
-
-    @property
-    def width(self) -> int:
-        return self.tokens.shape[1]
-
-    @staticmethod
-    def roots_only(batch: int) -> "TreeBatch":
-        """Trees with no draft nodes (ar rows): the root sees itself."""
-        return TreeBatch(tokens=torch.empty(batch, 0, dtype=torch.int32),
-                         depths=torch.empty(batch, 0, dtype=torch.int32),
-                         parents=torch.full((batch, 1), -1, dtype=torch.int32),
-                         num_nodes=torch.zeros(batch, dtype=torch.int32),
-                         mask=torch.ones(batch, 1, 1, dtype=torch.int64))
-
-    @staticmethod
-    def of(trees) -> "TreeBatch":
-        """From any object with the five fields (ddtree.tree.Trees), moved to CPU."""
-        return TreeBatch(*(getattr(trees, f).cpu() for f in FIELDS), draft_len=trees.draft_len)
+def roots_only(batch: int) -> Trees:
+    """Trees with no draft nodes (ar rows): the root sees itself."""
+    return Trees(tokens=torch.empty(batch, 0, dtype=torch.int32), depths=torch.empty(batch, 0, dtype=torch.int32),
+                 parents=torch.full((batch, 1), -1, dtype=torch.int32), num_nodes=torch.zeros(batch, dtype=torch.int32),
+                 mask=torch.ones(batch, 1, 1, dtype=torch.int64), draft_len=0)
 
 
-def concat_trees(parts: Sequence[TreeBatch]) -> TreeBatch:
+def on_host(trees: Trees) -> Trees:
+    """The trees' five tensors on the CPU (the engine assembles and cuts a step's batch there)."""
+    return Trees(*(getattr(trees, f).cpu() for f in FIELDS), draft_len=trees.draft_len)
+
+
+def concat_trees(parts: Sequence[Trees]) -> Trees:
     """Stacks tree batches of different widths, padding to the widest (padding rows see themselves)."""
     n = max(p.width for p in parts)
     words = (n + 1 + 63) // 64
@@ -133,16 +117,15 @@ def concat_trees(parts: Sequence[TreeBatch]) -> TreeBatch:
         mask[:, :p.width + 1, :p.mask.shape[2]] = p.mask.view(torch.int64) if p.mask.dtype == torch.uint64 else p.mask
         for i in range(p.width + 1, n + 1):  # padding node i: only its own bit
             mask[:, i, i // 64] = _bit(i % 64)
-        out.append(TreeBatch(
-            tokens=torch.cat([p.tokens.to(torch.int64), torch.full((b, pad), -1, dtype=torch.int64)], 1),
-            depths=torch.cat([p.depths.to(torch.int64), torch.zeros(b, pad, dtype=torch.int64)], 1),
-            parents=torch.cat([p.parents.to(torch.int64), torch.full((b, pad), -1, dtype=torch.int64)], 1),
-            num_nodes=p.num_nodes.to(torch.int64), mask=mask))
-    return TreeBatch(*(torch.cat([getattr(t, f) for t in out]) for f in FIELDS),
-                     draft_len=max(p.draft_len for p in parts))
+        out.append(Trees(
+            tokens=torch.cat([p.tokens.to(torch.int32), torch.full((b, pad), -1, dtype=torch.int32)], 1),
+            depths=torch.cat([p.depths.to(torch.int32), torch.zeros(b, pad, dtype=torch.int32)], 1),
+            parents=torch.cat([p.parents.to(torch.int32), torch.full((b, pad), -1, dtype=torch.int32)], 1),
+            num_nodes=p.num_nodes.to(torch.int32), mask=mask, draft_len=p.draft_len))
+    return Trees(*(torch.cat([getattr(t, f) for t in out]) for f in FIELDS), draft_len=max(p.draft_len for p in parts))
 
 
-def cut_trees(trees: TreeBatch, rows: Sequence[int], nodes: int) -> TreeBatch:
+def cut_trees(trees: Trees, rows: Sequence[int], nodes: int) -> Trees:
     """Rows `rows` keep their first `nodes` nodes: for best-first trees exactly the tree a budget
     of `nodes` builds (the build pops nodes in that order). The batch narrows to its widest row."""
     t = _clone(trees)
@@ -157,7 +140,7 @@ def cut_trees(trees: TreeBatch, rows: Sequence[int], nodes: int) -> TreeBatch:
     return _narrow(t, int(t.num_nodes.max()) if len(t.num_nodes) else 0)
 
 
-def chain_trees(trees: TreeBatch, rows: Sequence[int], ids: torch.Tensor) -> TreeBatch:
+def chain_trees(trees: Trees, rows: Sequence[int], ids: torch.Tensor) -> Trees:
     """Rows `rows` become the chain of ids [len(rows), D] (node i at depth i, child of i - 1)."""
     d = ids.shape[1]
     t = _widen(_clone(trees), max(trees.width, d))
@@ -177,27 +160,27 @@ def chain_trees(trees: TreeBatch, rows: Sequence[int], ids: torch.Tensor) -> Tre
     return _narrow(t, int(t.num_nodes.max()))
 
 
-def _clone(trees: TreeBatch) -> TreeBatch:
+def _clone(trees: Trees) -> Trees:
     mask = trees.mask.view(torch.int64) if trees.mask.dtype == torch.uint64 else trees.mask
-    return TreeBatch(trees.tokens.clone(), trees.depths.clone(), trees.parents.clone(), trees.num_nodes.clone(),
+    return Trees(trees.tokens.clone(), trees.depths.clone(), trees.parents.clone(), trees.num_nodes.clone(),
                      mask.clone(), draft_len=trees.draft_len)
 
 
-def _narrow(t: TreeBatch, width: int) -> TreeBatch:
+def _narrow(t: Trees, width: int) -> Trees:
     words = (width + 1 + 63) // 64  # contiguous copies: the tree kernels read raw rows
-    return TreeBatch(t.tokens[:, :width].contiguous(), t.depths[:, :width].contiguous(),
+    return Trees(t.tokens[:, :width].contiguous(), t.depths[:, :width].contiguous(),
                      t.parents[:, :width + 1].contiguous(), t.num_nodes, t.mask[:, :width + 1, :words].contiguous(),
                      draft_len=t.draft_len)
 
 
-def _widen(t: TreeBatch, width: int) -> TreeBatch:
+def _widen(t: Trees, width: int) -> Trees:
     b, pad = t.tokens.shape[0], width - t.width
     if pad <= 0:
         return t
     words = (width + 1 + 63) // 64
     mask = _self_bits(width + 1, words).expand(b, -1, -1).clone()
     mask[:, :t.width + 1, :t.mask.shape[2]] = t.mask
-    return TreeBatch(torch.cat([t.tokens, torch.full((b, pad), -1, dtype=t.tokens.dtype)], 1),
+    return Trees(torch.cat([t.tokens, torch.full((b, pad), -1, dtype=t.tokens.dtype)], 1),
                      torch.cat([t.depths, torch.zeros(b, pad, dtype=t.depths.dtype)], 1),
                      torch.cat([t.parents, torch.full((b, pad), -1, dtype=t.parents.dtype)], 1),
                      t.num_nodes, mask, draft_len=t.draft_len)
@@ -227,14 +210,6 @@ def _bit(i: int) -> int:
 
 
 @dataclass
-class Accepted:
-    path: torch.Tensor    # [B, D + 1] accepted node indices from the root (-1 padding)
-    length: torch.Tensor  # [B] accepted nodes including the root
-    bonus: torch.Tensor   # [B] the target's token at the last accepted node
-    keep: torch.Tensor    # [B, D + 1] tail-relative KV rows to keep (-1 padding)
-
-
-@dataclass
 class DraftItem:
     request_id: str
     bonus_token: int
@@ -260,9 +235,9 @@ class DrafterBackend(Protocol):
 class TreeBackend(Protocol):
     name: str
 
-    def build(self, step_id: int, top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: "int | Sequence[int]") -> TreeBatch: ...
+    def build(self, step_id: int, top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: "int | Sequence[int]") -> Trees: ...
 
-    def accept(self, step_id: int, trees: TreeBatch, posterior: torch.Tensor) -> Accepted: ...
+    def accept(self, step_id: int, trees: Trees, posterior: torch.Tensor) -> Accepted: ...
 
 
 class LocalDrafter:
@@ -304,15 +279,13 @@ class LocalTree:
         return tree
 
     def build(self, step_id, top_logprobs, top_ids, budget):
-        return TreeBatch.of(self._tree.build_trees(top_logprobs, top_ids, budget, backend=self.backend))
+        return on_host(self._tree.build_trees(top_logprobs, top_ids, budget, backend=self.backend))
 
     def accept(self, step_id, trees, posterior):
         mask = trees.mask.contiguous()
-        t = self._tree.Trees(tokens=trees.tokens.to(torch.int32).contiguous(),
-                             depths=trees.depths.to(torch.int32).contiguous(),
-                             parents=trees.parents.to(torch.int32).contiguous(),
-                             num_nodes=trees.num_nodes.to(torch.int32).contiguous(),
-                             mask=mask.view(torch.uint64) if mask.dtype == torch.int64 else mask,
-                             draft_len=trees.draft_len)
+        t = Trees(tokens=trees.tokens.to(torch.int32).contiguous(), depths=trees.depths.to(torch.int32).contiguous(),
+                  parents=trees.parents.to(torch.int32).contiguous(),
+                  num_nodes=trees.num_nodes.to(torch.int32).contiguous(),
+                  mask=mask.view(torch.uint64) if mask.dtype == torch.int64 else mask, draft_len=trees.draft_len)
         a = self._tree.accept(t, posterior.to(torch.int32), backend=self.backend)
         return Accepted(path=a.path.cpu(), length=a.length.cpu(), bonus=a.bonus.cpu(), keep=a.keep.cpu())

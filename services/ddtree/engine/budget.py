@@ -75,7 +75,7 @@ class NodeOdds:
 def node_odds(tokens: torch.Tensor, depths: torch.Tensor, parents: torch.Tensor, top_lp: torch.Tensor,
               top_ids: torch.Tensor) -> NodeOdds:
     """The drafter's probabilities of the nodes of built trees: tokens/depths [R, N], parents
-    [R, N+1] (TreeBatch layout) and the top-k they were built from, top_lp/top_ids [R, D, K].
+    [R, N+1] (Trees layout) and the top-k they were built from, top_lp/top_ids [R, D, K].
 
     A node's rank is where its token sits in its depth's top-k (a depth's top-k ids are distinct);
     its path log-probability is its parent's plus its own."""

@@ -33,8 +33,8 @@ from typing import Iterator, Protocol, Sequence
 
 import torch
 
-from ddtree.engine.backends import (FIELDS, Accepted, DraftItem, DrafterBackend, LocalDrafter, LocalTree,
-                                    PeerUnavailable, TreeBackend, TreeBatch, chain_trees, concat_trees, cut_trees)
+from ddtree.engine.backends import (FIELDS, DraftItem, DrafterBackend, LocalDrafter, LocalTree, PeerUnavailable,
+                                    TreeBackend, chain_trees, concat_trees, cut_trees, roots_only)
 from ddtree.engine.budget import (BudgetPolicy, Calibration, NodeOdds, VerifyCosts, WidthChoice, chain_odds,
                                   choose_width, expected_tokens, node_odds)
 from ddtree.engine.request import (FinishReason, Limits, Mode, Overloaded, RequestSpec)
@@ -44,6 +44,7 @@ from ddtree.models.sampling import SamplingParams
 from ddtree.prompting import PromptEncoder
 from ddtree.telemetry import spans as S
 from ddtree.tokenizer import Tokenizer
+from ddtree.tree.structures import Accepted, Trees
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class TargetRunner(Protocol):
         the sequence). Returns (the first generated token when `final`, else None; the chunk's
         features [len(chunk), F], None without feature layers)."""
 
-    def verify(self, seq_ids: Sequence[int], roots: torch.Tensor, trees: TreeBatch,
+    def verify(self, seq_ids: Sequence[int], roots: torch.Tensor, trees: Trees,
                samplers: Sequence[tuple[SamplingParams, int]]
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes the trees' K/V after each sequence's committed length; posterior [B, N+1] and
@@ -449,7 +450,7 @@ class Engine:
             return []
         return [i for i, r in enumerate(batch) if r.mode is Mode.DDTREE and r.spec.budget <= 0]
 
-    def _choose_width(self, step, batch: list[_Request], trees: TreeBatch, spec_rows, top_lp, top_ids) -> TreeBatch:
+    def _choose_width(self, step, batch: list[_Request], trees: Trees, spec_rows, top_lp, top_ids) -> Trees:
         """The cost-aware choice (ddtree.engine.budget): cuts the policy rows' trees (built up to the
         cap) to the width that maximises expected tokens per step millisecond, or makes them chains."""
         rows = [i for i in self._policy_rows(batch) if int(trees.num_nodes[i]) > 0]
@@ -458,7 +459,7 @@ class Engine:
             return trees
         where = {id(r): j for j, r in enumerate(spec_rows)}
         drafted = torch.tensor([where[id(batch[i])] for i in rows])
-        ids = top_ids[drafted].cpu()  # the trees are on the host (TreeBatch); the draft may be on a GPU
+        ids = top_ids[drafted].cpu()  # the trees are on the host (Trees); the draft may be on a GPU
         # the drafter's log-probs at each request's calibrated confidence: the same trees (best-first
         # order is unchanged by a positive scale), their odds as acceptance has borne them out
         alpha = torch.tensor([batch[i].calibration.confidence for i in rows], dtype=torch.float64)
@@ -601,7 +602,7 @@ class Engine:
             else:
                 for r in spec_rows:
                     r.new_features = None
-        parts: dict[int, TreeBatch] = {}
+        parts: dict[int, Trees] = {}
         try:
             whole = self._build_rows(step_id, spec_rows, top_lp, top_ids, parts)
         except ValueError as exc:  # e.g. NaN log-probs from the drafter: this step verifies roots only
@@ -612,11 +613,11 @@ class Engine:
         if whole is not None and len(spec_rows) == len(batch):  # one build, batch order: the usual case
             return whole, top
         if not parts:  # all rows ar (or the build failed): one roots-only batch, no per-row padding
-            return TreeBatch.roots_only(len(batch)), None
-        rows = [parts.get(id(r)) or TreeBatch.roots_only(1) for r in batch]
+            return roots_only(len(batch)), None
+        rows = [parts.get(id(r)) or roots_only(1) for r in batch]
         return concat_trees(rows), top
 
-    def _build_rows(self, step_id, spec_rows, top_lp, top_ids, parts) -> TreeBatch | None:
+    def _build_rows(self, step_id, spec_rows, top_lp, top_ids, parts) -> Trees | None:
         """Builds per mode into `parts` (row id -> tree); returns the build when one covered all rows."""
         whole = None
         if spec_rows:
@@ -642,7 +643,7 @@ class Engine:
     def _tree_name(self) -> str:
         return "local" if self.tree is None or "treebuild" in self._down else self.tree.name
 
-    def _build(self, step_id: int, lp: torch.Tensor, ids: torch.Tensor, budget) -> TreeBatch:
+    def _build(self, step_id: int, lp: torch.Tensor, ids: torch.Tensor, budget) -> Trees:
         if self.tree is not self.local_tree and self._peer_ok("treebuild"):
             try:
                 return self.tree.build(step_id, lp, ids, budget)
@@ -650,7 +651,7 @@ class Engine:
                 self._mark_down("treebuild", exc)
         return self.local_tree.build(step_id, lp, ids, budget)
 
-    def _accept(self, step_id: int, trees: TreeBatch, posterior: torch.Tensor):
+    def _accept(self, step_id: int, trees: Trees, posterior: torch.Tensor):
         if trees.width == 0:  # roots only (all rows ar): nothing to walk
             b = posterior.shape[0]
             zeros = torch.zeros(b, 1, dtype=torch.int64)
@@ -666,7 +667,7 @@ class Engine:
                     self._mark_down("treebuild", exc)
             return self.local_tree.accept(step_id, trees, posterior)
 
-    def _commit(self, batch: list[_Request], trees: TreeBatch, accepted, features: torch.Tensor) -> int:
+    def _commit(self, batch: list[_Request], trees: Trees, accepted, features: torch.Tensor) -> int:
         total = 0
         degraded = self._down.get("treebuild")
         paths = [accepted.path[b, :int(accepted.length[b])].tolist() for b in range(len(batch))]
@@ -754,5 +755,5 @@ def _kept_features(batch: list[_Request], paths: list[list[int]], features: torc
     return dict(zip(rows, gathered.split([len(paths[b]) for b in rows])))
 
 
-def _row(trees: TreeBatch, j: int) -> TreeBatch:
-    return TreeBatch(*(getattr(trees, f)[j:j + 1] for f in FIELDS), draft_len=trees.draft_len)
+def _row(trees: Trees, j: int) -> Trees:
+    return Trees(*(getattr(trees, f)[j:j + 1] for f in FIELDS), draft_len=trees.draft_len)

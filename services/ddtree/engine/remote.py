@@ -14,9 +14,10 @@ import os
 import grpc
 import torch
 
-from ddtree.engine.backends import FIELDS, Accepted, PeerUnavailable, RemotePeer, TreeBatch, check_rpc_style
+from ddtree.engine.backends import FIELDS, PeerUnavailable, RemotePeer, check_rpc_style
 from ddtree.grpc_options import channel_options
 from ddtree.telemetry import TracingClientInterceptor
+from ddtree.tree.structures import Accepted, Trees
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +130,9 @@ class RemoteTree(RemotePeer):
         self.last_timing = reply.timing
         t = reply.trees
         got = [self._call(self.link.resolve, getattr(t, f)).cpu().clone() for f in FIELDS]
-        return TreeBatch(*got, draft_len=top_logprobs.shape[1])
+        return Trees(*got, draft_len=top_logprobs.shape[1])
 
-    def accept(self, step_id, trees: TreeBatch, posterior):
+    def accept(self, step_id, trees: Trees, posterior):
         from ddtree.v1 import treebuild_pb2
 
         tokens, depths, parents, num_nodes, post = self._call(self._put, [

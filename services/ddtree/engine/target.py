@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from ddtree.engine.backends import TreeBatch
+from ddtree.tree.structures import Trees
 from ddtree.engine.runner import GraphBuckets, VerifyGraphs
 from ddtree.models.sampling import SamplingParams, target_probs
 
@@ -102,7 +102,7 @@ class LocalTarget:
         first = int(sample_at_positions(last.logits[0], params, seed, [end])[0])
         return first, (None if head.features is None else torch.cat([head.features[0], last.features[0]]))
 
-    def verify(self, seq_ids, roots, trees: TreeBatch, samplers):
+    def verify(self, seq_ids, roots, trees: Trees, samplers):
         sampled = [not p.greedy for p, _ in samplers]
         out = None
         if self.graphs is not None:  # None when no bucket fits: eager

@@ -104,7 +104,7 @@ def check_trees(trees) -> None:
 def check_posterior(trees, posterior) -> None:
     """The posterior holds one target token per tree node, root included."""
     post = _require_tensor("posterior", posterior)
-    expected = (trees.batch, trees.budget + 1)
+    expected = (trees.batch, trees.width + 1)
     if tuple(post.shape) != expected:
         raise ValueError(f"posterior must have shape [batch, N + 1] = {list(expected)}, got "
                          f"{list(post.shape)}")

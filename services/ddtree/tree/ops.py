@@ -151,7 +151,7 @@ def accept(trees: Trees, posterior: torch.Tensor, backend: str = "auto", *, chec
     backend = _resolve_backend(backend, trees.tokens.device)
     if backend == "reference":
         return _accept_reference(trees, posterior)
-    batch, n, width = trees.batch, trees.budget, trees.draft_len + 1
+    batch, n, width = trees.batch, trees.width, trees.draft_len + 1
     device = trees.tokens.device
     post = posterior.to(torch.int32).contiguous()
     if out is None:
@@ -209,7 +209,7 @@ def _build_reference(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budgets:
 def _accept_reference(trees: Trees, posterior: torch.Tensor) -> Accepted:
     tokens, parents = trees.tokens.cpu().numpy(), trees.parents.cpu().numpy()
     num_nodes, post = trees.num_nodes.cpu().numpy(), posterior.cpu().numpy()
-    batch, n, width = trees.batch, trees.budget, trees.draft_len + 1
+    batch, n, width = trees.batch, trees.width, trees.draft_len + 1
     for b in range(batch):  # the same structural check as the native backends
         m = int(num_nodes[b])
         if not 0 <= m <= n or any(not 0 <= parents[b, j] < j for j in range(1, m + 1)):

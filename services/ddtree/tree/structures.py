@@ -18,7 +18,8 @@ class Trees:
     depths: torch.Tensor     # [Bt, N] int32, 0 padding
     parents: torch.Tensor    # [Bt, N + 1] int32, node 0 and padding -1
     num_nodes: torch.Tensor  # [Bt] int32, nodes excluding the root
-    mask: torch.Tensor       # [Bt, N + 1, ceil((N + 1) / 64)] uint64 ancestor-or-self bits
+    mask: torch.Tensor       # [Bt, N + 1, ceil((N + 1) / 64)] uint64 ancestor-or-self bits (int64, the
+    #                          same bits, where the engine assembles a step's batch on the host)
     draft_len: int           # D: the deepest possible node, so accept paths have D + 1 slots
     status: torch.Tensor | None = None  # [Bt] int32 per-request status (cuda, unchecked builds)
 
@@ -27,7 +28,7 @@ class Trees:
         return self.tokens.shape[0]
 
     @property
-    def budget(self) -> int:
+    def width(self) -> int:
         """N: the node slots per tree (the largest budget of the batch)."""
         return self.tokens.shape[1]
 
@@ -48,7 +49,7 @@ def visibility_matrix(trees: Trees) -> torch.Tensor:
     words = trees.mask.view(torch.int64)  # bit ops on int64; the bit pattern is the same
     shifts = torch.arange(64, device=words.device, dtype=torch.int64)
     bits = (words.unsqueeze(-1) >> shifts) & 1
-    rows = trees.budget + 1
+    rows = trees.width + 1
     return bits.flatten(-2)[..., :rows].bool()
 
 
