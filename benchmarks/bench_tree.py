@@ -103,7 +103,7 @@ def inputs(batch: int, budget: int, seed: int = 0, depth: int = DEPTH):
 
 def deepest_posterior(trees_cpu) -> torch.Tensor:
     """A posterior that follows each tree's deepest path: the longest accept walk."""
-    post = torch.full((trees_cpu.batch, trees_cpu.budget + 1), -1, dtype=torch.int32)
+    post = torch.full((trees_cpu.batch, trees_cpu.width + 1), -1, dtype=torch.int32)
     for b in range(trees_cpu.batch):
         depths = [0] + trees_cpu.depths[b].tolist()
         node = max(range(int(trees_cpu.num_nodes[b]) + 1), key=lambda i: depths[i])
