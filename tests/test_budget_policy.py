@@ -186,3 +186,41 @@ def test_other_rows_set_the_step_width_floor():
     choice = choose_width(expected_tokens(odds, calib, WIDTHS), WIDTHS, 1 + chain.sum(1), 9, other_width=65,
                           other_expected=3.0, step_ms=lambda w: 1.0 + w)
     assert not choice.chain and choice.width == 65
+
+
+# ---- in the engine -------------------------------------------------------------------------------
+
+def test_the_engine_cuts_trees_by_the_policy_and_survives_its_failure(tmp_path):
+    """Cost-aware steps: output == ar, a choice on every speculative step; a policy that raises
+    leaves the step's trees as built and the output unchanged."""
+    from test_engine_common import ar_reference, make_pair
+
+    from ddtree.engine.budget import BudgetPolicy
+    from ddtree.engine.engine import EngineConfig, Usage
+    from ddtree.engine.loader import ModelSetup, build_local_engine
+    from ddtree.engine.request import validate_request
+    from ddtree.engine.scheduler import SchedulerConfig
+
+    target, drafter = make_pair(tmp_path)
+    cfg = EngineConfig(scheduler=SchedulerConfig(max_running=4, max_queue=16, num_pages=128, page_size=8),
+                       budget=BudgetPolicy(tokens_per_step=256, min_budget=4, max_budget=32), max_tokens_limit=64)
+    engine = build_local_engine(ModelSetup(target=str(target), drafter=str(drafter)), cfg).start()
+    try:
+        prompt = [5, 3, 9, 1]
+        want = ar_reference(target, prompt, 12)
+
+        def run():
+            spec = validate_request(prompt, limits=engine.limits, max_tokens=12, ignore_eos=True, mode="ddtree",
+                                    available_modes=engine.modes)
+            events = list(engine.submit(spec))
+            return [t for e in events if not isinstance(e, Usage) for t in e.token_ids]
+
+        assert run() == want and engine.last_choice is not None
+        assert engine.costs.cells and engine.policy_info()["last_width"] >= 2
+
+        def broken(*args):
+            raise RuntimeError("policy bug")
+        engine._choose_width = broken
+        assert run() == want and engine.fatal is None
+    finally:
+        engine.stop()

@@ -391,7 +391,7 @@ class Engine:
                          requests=[r.span for r in batch], tp_size=self.target.tp_size) as step:
             trees, top = self._propose(step_id, batch, spec_rows)
             if top is not None:
-                trees = self._choose_width(step, batch, trees, *top)
+                trees = self._choose_width_safely(step, batch, trees, *top)
             roots = torch.tensor([r.bonus for r in batch], dtype=torch.int64)
             verify_started = time.perf_counter()
             with self._component(S.VERIFY, backend="local"), self.timer.region(S.VERIFY):
@@ -449,6 +449,18 @@ class Engine:
         if not self.config.budget.cost_aware:
             return []
         return [i for i, r in enumerate(batch) if r.mode is Mode.DDTREE and r.spec.budget <= 0]
+
+    def _choose_width_safely(self, step, batch, trees: Trees, spec_rows, top_lp, top_ids) -> Trees:
+        """The policy's choice; should it ever fail, this step keeps the trees as built (the cap) and
+        the error is logged: a sizing decision must not fail the batch."""
+        try:
+            return self._choose_width(step, batch, trees, spec_rows, top_lp, top_ids)
+        except Exception:  # noqa: BLE001 - logged with its traceback; the step goes on uncut
+            log.exception("budget policy failed at step %d; verifying the trees as built", self._step_id)
+            self._pending_odds, self.last_choice = {}, None
+            for r in batch:
+                r.verified_main = None
+            return trees
 
     def _choose_width(self, step, batch: list[_Request], trees: Trees, spec_rows, top_lp, top_ids) -> Trees:
         """The cost-aware choice (ddtree.engine.budget): cuts the policy rows' trees (built up to the
