@@ -22,7 +22,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,18 +29,14 @@ import time
 
 import grpc
 
+from ddtree.up import free_port
 from ddtree.v1 import generation_pb2 as pb
 from ddtree.v1 import generation_pb2_grpc
+from ddtree.waiting import wait_until
 
 PROMPTS = [list(b"def fib(n):\n    "), list(b"import os\nimport "), list(b"class Stack:\n    def "),
            list(b"for i in range("), list(b"    return self.")]
 TOKENS = 48
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Up:
@@ -58,15 +53,11 @@ class Up:
         return "".join(self.lines)
 
     def wait_for(self, pattern: str, timeout: float, after: int = 0) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(pattern, "".join(self.lines[after:]))
-            if m:
-                return m
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise SystemExit(f"soak: {pattern!r} not seen:\n{self.text()[-4000:]}")
+        m = wait_until(lambda: re.search(pattern, "".join(self.lines[after:])), timeout,
+                       give_up=lambda: self.proc.poll() is not None)
+        if m is None:
+            raise SystemExit(f"soak: {pattern!r} not seen:\n{self.text()[-4000:]}")
+        return m
 
     def pids(self) -> dict[str, int]:
         """The latest pid of each child, from "NAME listening on" lines ([name] prefixed) and the ready table."""

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import threading
-import time
 from concurrent import futures
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from ddtree.waiting import wait_until
 
 
 class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -58,10 +59,10 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         return out
 
     def wait_for(self, predicate, timeout: float = 10.0) -> list[dict]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def matched():
             spans = self.spans()
-            if predicate(spans):
-                return spans
-            time.sleep(0.05)
-        raise AssertionError(f"spans never matched; got {[(s['service'], s['name']) for s in self.spans()]}")
+            return [spans] if predicate(spans) else None   # boxed: a matching empty list counts too
+        found = wait_until(matched, timeout, poll_s=0.05)
+        if found is None:
+            raise AssertionError(f"spans never matched; got {[(s['service'], s['name']) for s in self.spans()]}")
+        return found[0]

@@ -24,6 +24,7 @@ from ddtree.engine.engine import Chunk, EngineConfig
 from ddtree.engine.loader import ModelSetup, build_local_engine
 from ddtree.engine.request import FinishReason, Mode, Overloaded, validate_request
 from ddtree.engine.scheduler import SchedulerConfig
+from ddtree.waiting import wait_until
 
 
 CONFIG = EngineConfig(scheduler=SchedulerConfig(max_running=8, max_queue=64, num_pages=256, page_size=8),
@@ -254,12 +255,8 @@ def test_stop_conditions_through_the_engine(engine):
 
 
 def _idle(engine, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not engine._requests and engine.scheduler.free_pages == CONFIG.scheduler.num_pages:
-            return True
-        time.sleep(0.01)
-    return False
+    return bool(wait_until(lambda: not engine._requests and engine.scheduler.free_pages == CONFIG.scheduler.num_pages,
+                           timeout, poll_s=0.01))
 
 
 def test_cancel_and_deadline_free_kv_and_drafter_state(engine):

@@ -28,6 +28,7 @@ from test_verify_service import Service, service_env  # noqa: E402
 
 from ddtree.demo import bundled_pair, prompt_ids  # noqa: E402
 from ddtree.health import wait_until_http_ok  # noqa: E402
+from ddtree.waiting import wait_until  # noqa: E402
 from ddtree.http.chat_template import BYTE_LEVEL_TEMPLATE, ChatTemplate  # noqa: E402
 from ddtree.http.errors import APIError, from_grpc  # noqa: E402
 from ddtree.http.prompts import Prompts  # noqa: E402
@@ -104,12 +105,8 @@ def value(families: dict, name: str, sample: str | None = None, **labels) -> flo
 
 def wait_line(service: Service, *needles: str, timeout: float = 10.0) -> bool:
     """Whether one line of the service's log soon contains every needle."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(all(n in line for n in needles) for line in list(service.lines)):
-            return True
-        time.sleep(0.05)
-    return False
+    return bool(wait_until(lambda: any(all(n in line for n in needles) for line in list(service.lines)), timeout,
+                           poll_s=0.05))
 
 
 def post(port: int, path: str, body) -> tuple[int, dict]:

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 
 import grpc
@@ -25,6 +24,7 @@ from test_verify_service import _tls_files, channel, service_env
 from ddtree.up import free_port
 from ddtree.v1 import generation_pb2 as pb
 from ddtree.v1 import generation_pb2_grpc
+from ddtree.waiting import wait_until
 
 
 
@@ -43,15 +43,11 @@ class Up:
         return "".join(self.lines)
 
     def wait_for(self, pattern: str, timeout: float, after: int = 0) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(pattern, "".join(self.lines[after:]))
-            if m:
-                return m
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"{pattern!r} not seen:\n{self.text()[-6000:]}")
+        m = wait_until(lambda: re.search(pattern, "".join(self.lines[after:])), timeout,
+                       give_up=lambda: self.proc.poll() is not None)
+        if m is None:
+            raise AssertionError(f"{pattern!r} not seen:\n{self.text()[-6000:]}")
+        return m
 
 
 def stream(stub, prompt, mode, n, timeout=120):
@@ -129,13 +125,11 @@ def test_up_serves_degrades_restarts_and_stops(tmp_path, subprocess_env):
             mark = len(up.lines)
             up.wait_for(r"drafter exited with code -9; restarting it", 30, after=0)
             up.wait_for(r"drafter listening on", 120, after=mark)
-            deadline = time.monotonic() + 60
-            while True:
+            def speculating():
                 chunks = list(stream(stub, prompt, pb.MODE_DDTREE, 40))
-                if chunks[-1].usage.mode == pb.MODE_DDTREE and not chunks[-1].degradation:
-                    break
-                assert time.monotonic() < deadline, "the drafter was never re-attached"
-                time.sleep(0.5)
+                return chunks if chunks[-1].usage.mode == pb.MODE_DDTREE and not chunks[-1].degradation else None
+            chunks = wait_until(speculating, 60, poll_s=0.5)
+            assert chunks, "the drafter was never re-attached"
             assert tokens_of(chunks) == ar[:40]
             # ... and its /metrics (the verify service's, through the HTTP port) counted both
             with urllib.request.urlopen(f"{ready.group(1)}/metrics", timeout=10) as reply:
@@ -159,10 +153,7 @@ def test_up_serves_degrades_restarts_and_stops(tmp_path, subprocess_env):
         children = [int(m.group(1)) for m in re.finditer(r"\(pid (\d+)\)", up.text())]
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(60) == 0
-        deadline = time.monotonic() + 10
-        while any(alive(p) for p in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(p) for p in children)
+        assert wait_until(lambda: not any(alive(p) for p in children), 10), [p for p in children if alive(p)]
     finally:
         if up.proc.poll() is None:
             up.proc.kill()

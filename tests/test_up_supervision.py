@@ -16,6 +16,7 @@ import pytest
 from ddtree.serving import GrpcServer, ServerConfig
 from ddtree.supervise import RestartPolicy, Supervisor, stop_all
 from ddtree.up import Child, wait_serving
+from ddtree.waiting import wait_until
 
 FAST = RestartPolicy(max_restarts=2, first_backoff_s=0.2, max_backoff_s=1.0, stable_after_s=30.0)
 CRASH = "import sys\nsys.exit(3)\n"  # a child that exits with code 3
@@ -35,13 +36,13 @@ def _start(name: str, code: str) -> _Child:
 
 
 def _run(supervisor: Supervisor, until, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def done():
         reason = supervisor.poll()
-        if reason or until():
-            return reason
-        time.sleep(0.05)
-    raise AssertionError("timed out")
+        return [reason] if reason or until() else None   # boxed: "" (no reason) is an answer too
+    found = wait_until(done, timeout, poll_s=0.05)
+    if found is None:
+        raise AssertionError("timed out")
+    return found[0]
 
 
 def test_a_crashing_peer_is_restarted_with_backoff_then_left_down_and_verify_runs_on():

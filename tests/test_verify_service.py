@@ -13,20 +13,20 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from test_engine_common import VOCAB, make_pair
 
 from ddtree.engine.request import Limits
 from ddtree.grpc_options import open_channel
+from ddtree.health import wait_until_serving
 from ddtree.v1 import generation_pb2 as pb
 from ddtree.v1 import generation_pb2_grpc
 from ddtree.verify.wire_limits import GENERATE, GenerateWireLimits
+from ddtree.waiting import wait_until
 
 
 
@@ -57,26 +57,13 @@ class Service:
         if not self._ready.wait(timeout):
             self.stop()
             raise AssertionError(f"{self.name} did not start:\n{self.log()}")
-        with channel(self.port, tls_ca) as ch:
-            health = health_pb2_grpc.HealthStub(ch)
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                try:
-                    if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        return self
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.1)
-        raise AssertionError(f"{self.name} never became SERVING:\n{self.log()}")
+        target = f"{'localhost' if tls_ca else '127.0.0.1'}:{self.port}"   # as channel() connects
+        if wait_until_serving(target, timeout, check_timeout_s=2, poll_s=0.1, tls_ca=tls_ca):
+            raise AssertionError(f"{self.name} never became SERVING:\n{self.log()}")
+        return self
 
     def wait_log(self, needle: str, timeout=10.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if needle in self.log():
-                return True
-            time.sleep(0.05)
-        return False
+        return bool(wait_until(lambda: needle in self.log(), timeout, poll_s=0.05))
 
     def stop(self):
         if self.proc.poll() is None:

@@ -42,6 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddtree.waiting import wait_until
+
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible API's port (vLLM's and SGLang's defaults are 8000 and 30000)
 # The module of each `ddtree serve NAME` (a service whose module is missing is left out).
@@ -292,12 +294,10 @@ def wait_serving(child: Child, timeout_s: float) -> None:
         raise RuntimeError(f"{child.name} did not become SERVING within {timeout_s:.0f}s")
     # Health can answer for another server on the port: ready means this child said it listens.
     own = f"{child.name} listening on "
-    deadline = time.monotonic() + OWN_LINE_WAIT_S
-    while not any(line.startswith(own) for line in child.lines):
-        if child.proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{target} answered health but {child.name} (pid {child.proc.pid}) never said it "
-                               "listens there (another server on its port?)")
-        time.sleep(0.05)
+    if not wait_until(lambda: any(line.startswith(own) for line in child.lines), OWN_LINE_WAIT_S, poll_s=0.05,
+                      give_up=lambda: not starting()):
+        raise RuntimeError(f"{target} answered health but {child.name} (pid {child.proc.pid}) never said it "
+                           "listens there (another server on its port?)")
 
 
 def _pump(child: Child, echo: bool) -> None:
