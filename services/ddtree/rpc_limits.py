@@ -20,6 +20,7 @@ have not ended within a second (health Watch would otherwise hold the stop for i
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -31,6 +32,12 @@ log = logging.getLogger(__name__)
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"   # never counted: it must always answer
 HEALTH_THREADS = 2                              # pool threads no counted RPC can take
 PEER_METADATA_KEY = "ddtree-peer-id"            # the transport's peer identification (ddtree.transport.service)
+# A handler's kinds, in the order grpc's handlers are read: attribute, streams requests, streams
+# responses, and the constructor of a handler of that kind.
+_KINDS = (("unary_unary", False, False, grpc.unary_unary_rpc_method_handler),
+          ("unary_stream", False, True, grpc.unary_stream_rpc_method_handler),
+          ("stream_unary", True, False, grpc.stream_unary_rpc_method_handler),
+          ("stream_stream", True, True, grpc.stream_stream_rpc_method_handler))
 
 
 class _Open:
@@ -89,51 +96,30 @@ class RpcLimits(grpc.ServerInterceptor):
         if handler is None or method == HEALTH_CHECK:
             return handler
         peer = next((v for k, v in handler_call_details.invocation_metadata or () if k == PEER_METADATA_KEY), "")
-        admit = self._admit
-        leave = self._leave
-        requests_of = self._requests
-        decode, encode = handler.request_deserializer, handler.response_serializer
-        if handler.unary_unary:
-            inner = handler.unary_unary
-
-            def unary_unary(request, context):
-                entry = admit(context, peer, method, False)
-                try:
-                    return inner(request, context)
-                finally:
-                    leave(entry)
-            return grpc.unary_unary_rpc_method_handler(unary_unary, decode, encode)
-        if handler.unary_stream:
-            inner = handler.unary_stream
-
-            def unary_stream(request, context):
-                entry = admit(context, peer, method, False)
-                try:
-                    yield from inner(request, context)
-                finally:
-                    leave(entry)
-            return grpc.unary_stream_rpc_method_handler(unary_stream, decode, encode)
-        if handler.stream_unary:
-            inner = handler.stream_unary
-
-            def stream_unary(requests, context):
-                entry = admit(context, peer, method, True)
-                try:
-                    return inner(requests_of(entry, requests), context)
-                finally:
-                    leave(entry)
-            return grpc.stream_unary_rpc_method_handler(stream_unary, decode, encode)
-        inner = handler.stream_stream
-
-        def stream_stream(requests, context):
-            entry = admit(context, peer, method, True)
-            try:
-                yield from inner(requests_of(entry, requests), context)
-            finally:
-                leave(entry)
-        return grpc.stream_stream_rpc_method_handler(stream_stream, decode, encode)
+        kind, streams_requests, streams_responses, rebuild = next(
+            (k for k in _KINDS[:-1] if getattr(handler, k[0])), _KINDS[-1])
+        inner, counted = getattr(handler, kind), self._counted
+        if streams_responses:
+            def behavior(request, context):
+                with counted(context, peer, method, streams_requests, request) as reads:
+                    yield from inner(reads, context)
+        else:
+            def behavior(request, context):
+                with counted(context, peer, method, streams_requests, request) as reads:
+                    return inner(reads, context)
+        return rebuild(behavior, handler.request_deserializer, handler.response_serializer)
 
     # -- internals --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _counted(self, context, peer: str, method: str, streams_requests: bool, request):
+        """Admits one RPC (or aborts it) and counts it while its handler runs; gives the handler
+        its request, or its request stream watched by _requests."""
+        entry = self._admit(context, peer, method, streams_requests)
+        try:
+            yield self._requests(entry, request) if streams_requests else request
+        finally:
+            self._leave(entry)
+
     def _admit(self, context, peer: str, method: str, streams_requests: bool) -> _Open:
         with self._lock:
             if self._ending:
