@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from test_engine_common import VOCAB, make_pair
+from test_wire_limits import varint
 
 from ddtree.engine.request import Limits
 from ddtree.grpc_options import open_channel
@@ -264,9 +265,9 @@ def test_oversized_requests_are_refused_before_they_are_decoded(verify):
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
             assert message in err.value.details() and "(refused before decoding)" in err.value.details()
         # 16 MB of token ids (a TokenIds field of 1-byte ids, built as bytes): past grpc's receive limit
-        ids = b"\x0a" + _varint(16 << 20) + b"\x01" * (16 << 20)
+        ids = b"\x0a" + varint(16 << 20) + b"\x01" * (16 << 20)
         with pytest.raises(grpc.RpcError) as err:
-            list(raw(b"\x12" + _varint(len(ids)) + ids, timeout=30))
+            list(raw(b"\x12" + varint(len(ids)) + ids, timeout=30))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
         assert "larger than max" in err.value.details() and f"vs. {wire.receive_bytes}" in err.value.details()
 
@@ -281,15 +282,6 @@ def test_oversized_requests_are_refused_before_they_are_decoded(verify):
         grown = _rss_mib(verify.proc.pid) - before
         assert grown < 10, f"verify grew {grown:.1f} MiB over 60 requests of 200,000 stop strings"
     assert len(generate(verify.port, [5, 6], pb.MODE_DDTREE, max_tokens=8, ignore_eos=True)[0]) == 8
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
 
 
 def test_the_largest_legal_request_is_served(verify):
