@@ -60,11 +60,13 @@ def route_noaux_tc(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, n_gr
     scores. x [S, H] -> (weights [S, k] float32, expert ids [S, k] int64)."""
     scores = F.linear(x.float(), gate).sigmoid()
     choice = scores + bias
-    groups = choice.view(x.shape[0], n_group, -1)
-    group_scores = groups.topk(2, dim=-1).values.sum(-1)
-    keep_groups = group_scores.topk(topk_group, dim=-1).indices
-    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, keep_groups, True)
-    choice = groups.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(x.shape[0], -1)
+    if topk_group < n_group:  # keep the topk_group groups with the best top-2 sums (all kept: a no-op,
+        # skipped: Kimi-K2 has one group, and the two top-k's it would cost are 2 of a layer's 3)
+        groups = choice.view(x.shape[0], n_group, -1)
+        group_scores = groups.topk(2, dim=-1).values.sum(-1)
+        keep_groups = group_scores.topk(topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, keep_groups, True)
+        choice = groups.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(x.shape[0], -1)
     ids = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if norm_topk_prob:
