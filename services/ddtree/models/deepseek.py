@@ -201,15 +201,17 @@ class TargetModel(nn.Module):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
             raise ValueError(f"{what} has token ids outside 0..{self.cfg.vocab_size - 1}")
 
-    def _announce(self, op: str, tensors: list[torch.Tensor]) -> None:
-        """Rank 0 tells the followers which call comes next; a rank > 0 must be inside follow()."""
+    def _announce(self, op: str, tensors: Callable[[], list[torch.Tensor]]) -> None:
+        """Rank 0 tells the followers which call comes next; a rank > 0 must be inside follow().
+        `tensors` makes the call's arguments, only where there are followers: without tensor
+        parallelism a call builds no device tensor for them (each one a host-to-device copy)."""
         if not self.tp.enabled:
             return
         if self.tp.rank != 0:
             if not self._following:
                 raise RuntimeError("ranks > 0 do not drive the model; run follow() there")
             return
-        broadcast_call(self.tp, _OPS.index(op), tensors, self.device)
+        broadcast_call(self.tp, _OPS.index(op), tensors(), self.device)
 
     # ---- plain causal forward -----------------------------------------------------------
     @torch.inference_mode()
@@ -219,7 +221,7 @@ class TargetModel(nn.Module):
             raise ValueError(f"input_ids must be [1, S]; got {tuple(input_ids.shape)}")
         input_ids = input_ids.to(self.device, torch.int64)
         self._check_ids(input_ids, "input_ids")
-        self._announce("logits", [input_ids])
+        self._announce("logits", lambda: [input_ids])
         return self._logits(input_ids)
 
     def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -233,7 +235,7 @@ class TargetModel(nn.Module):
 
     # ---- the paged cache ----------------------------------------------------------------
     def allocate_cache(self, num_pages: int, page_size: int = 64) -> LatentKVCache:
-        self._announce("allocate_cache", [torch.tensor([num_pages, page_size], device=self.device)])
+        self._announce("allocate_cache", lambda: [torch.tensor([num_pages, page_size], device=self.device)])
         self.cache = LatentKVCache(self.cfg.num_hidden_layers, self.cfg.latent_dim, num_pages, page_size,
                                    self.dtype, self.device)
         return self.cache
@@ -246,12 +248,12 @@ class TargetModel(nn.Module):
     def add_sequence(self, seq_id: int) -> None:
         if self._need_cache().has(seq_id):
             raise ValueError(f"sequence {seq_id} already exists")
-        self._announce("add_sequence", [torch.tensor([seq_id], device=self.device)])
+        self._announce("add_sequence", lambda: [torch.tensor([seq_id], device=self.device)])
         self.cache.add_sequence(seq_id)
 
     def release(self, seq_id: int) -> None:
         self._need_cache()._seq(seq_id)
-        self._announce("release", [torch.tensor([seq_id], device=self.device)])
+        self._announce("release", lambda: [torch.tensor([seq_id], device=self.device)])
         self.cache.release(seq_id)
 
     # ---- prefill / verify / commit ------------------------------------------------------
@@ -275,8 +277,7 @@ class TargetModel(nn.Module):
         # what the head computes (all ranks must agree): 0 argmax of the last row, 1 full logits of
         # the last row (to sample), 2 full logits of every row (asked for)
         head = 2 if return_logits else int(not sampling.greedy)
-        flags = torch.tensor([seq_id, chunk_size, head], device=self.device)
-        self._announce("prefill", [flags, tokens])
+        self._announce("prefill", lambda: [torch.tensor([seq_id, chunk_size, head], device=self.device), tokens])
         return self._prefill(seq_id, tokens, chunk_size, head, sampling, generator)
 
     def _prefill(self, seq_id, tokens, chunk_size, head, sampling=GREEDY, generator=None):
@@ -326,8 +327,7 @@ class TargetModel(nn.Module):
         t = tokens[0].shape[1]
         cache.reserve(seq_ids, t)
         need_full = return_logits or any(not s.greedy for s in sampling)
-        ids = torch.tensor(seq_ids + [int(need_full)], device=self.device)
-        self._announce("verify", [ids, *tokens])
+        self._announce("verify", lambda: [torch.tensor(seq_ids + [int(need_full)], device=self.device), *tokens])
         return self._verify(seq_ids, *tokens, need_full, sampling, generators, return_logits)
 
     def _tree_inputs(self, b, root_tokens, tree_tokens, tree_depths, mask):
@@ -377,7 +377,7 @@ class TargetModel(nn.Module):
         keep = keep.to(self.device, torch.int64)
         if keep.dim() != 2 or keep.shape[0] != len(seq_ids):
             raise ValueError(f"keep must be [{len(seq_ids)}, K]; got {tuple(keep.shape)}")
-        self._announce("commit", [torch.tensor(seq_ids, device=self.device), keep])
+        self._announce("commit", lambda: [torch.tensor(seq_ids, device=self.device), keep])
         return self.cache.commit(seq_ids, keep)
 
     def _forward_paged(self, seq_ids, tokens, positions, mask):
@@ -431,8 +431,8 @@ class TargetModel(nn.Module):
     def announce_extension(self, name: str, tensors: list[torch.Tensor]) -> None:
         """Rank 0: the followers run their handler of `name` with these tensors (int64 name codes
         travel first); a no-op without tensor parallelism or on a following rank."""
-        code = torch.tensor(list(name.encode()), dtype=torch.int64, device=self.device)
-        self._announce("extension", [code, *tensors])
+        self._announce("extension", lambda: [torch.tensor(list(name.encode()), dtype=torch.int64, device=self.device),
+                                             *tensors])
 
     # ---- followers ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -474,7 +474,7 @@ class TargetModel(nn.Module):
 
     def stop_followers(self) -> None:
         """Rank 0: releases the ranks blocked in follow()."""
-        self._announce("stop", [])
+        self._announce("stop", lambda: [])
 
 
 def _quantized_role(name: str) -> str | None:
