@@ -1,4 +1,4 @@
-"""Tree-verify MLA attention (issue 6): the dispatcher's kernel (cluster, clusterT, wgmma or
+"""Tree-verify MLA attention (issue 6): the dispatcher's kernel (wgmma or
 triton) against its ceilings, in one run.
 
 For batch x tree nodes (rows per request; 1 = decode) x heads x prefix: device time (median,
@@ -22,8 +22,6 @@ beside the cost model's estimate (model_seconds, here), to calibrate it.
     python benchmarks/bench_verify_attn.py --out benchmarks/results/h200      # appends to kernels.txt
     python benchmarks/bench_verify_attn.py --decode --sweep                   # decode path only
     python benchmarks/bench_verify_attn.py --shapes 16x64x16x8192,1x64x16x8192  # grid rows, a subset
-    python benchmarks/bench_verify_attn.py --clusters    # B 1 trees: the Gluon kernel vs the cluster kernel's configs
-    python benchmarks/bench_verify_attn.py --decode-clusters  # decode: Gluon vs the cluster decode kernel's configs
     python benchmarks/bench_verify_attn.py --variants    # launch configs on a few shapes
     python benchmarks/bench_verify_attn.py --resources   # no GPU: ptxas registers/spills per config
 """
@@ -223,11 +221,7 @@ def decode_row(work, gen, batch: int, nodes: int, heads: int, prefix: int) -> st
     copy_g = nbytes / copy_us(*pair, graph_us) / 1e3
     kernel, name = shipped_kernel(inputs)
     triton_cfg = launch_config(nodes * heads, batch, kv_bound, torch.device("cuda"))
-    if name == "clusterT":
-        from ddtree.kernels.mla_decode_cluster import decode_config
-        splits, cluster = decode_config(nodes * heads, batch, kv_bound, 0)
-        labels = (f"clusterT/x{splits}/c{cluster}", cfg_str(triton_cfg))
-    elif name != "triton":
+    if name != "triton":
         from ddtree.kernels.mla_verify_wgmma import wgmma_config
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         bn, stages, splits = wgmma_config(nodes * heads, batch, kv_bound, sms)
@@ -340,11 +334,10 @@ def run_sweep(args) -> list[str]:
 
 
 def shipped_kernel(inputs) -> tuple:
-    """(kernel, name) that the model's dispatcher runs for these CUDA inputs: cluster (trees in few
-    row blocks), clusterT (the cluster decode kernel), wgmma (the Gluon row-block kernel), wgmmaT
-    (its transposed kernel, <= FEW_ROWS rows per request) or triton."""
+    """(kernel, name) that the model's dispatcher runs for these CUDA inputs: wgmma (the Gluon
+    row-block kernel), wgmmaT (its transposed kernel, <= FEW_ROWS rows per request) or triton."""
     from ddtree.kernels.dispatch import verify_kernel
-    name, kernel = verify_kernel(inputs[0], inputs[1], inputs[2], inputs[5], inputs[3].shape[1] * inputs[2].shape[1])
+    name, kernel = verify_kernel(inputs[0], inputs[1], inputs[2], inputs[5])
     if name == "wgmma":
         from ddtree.kernels.mla_verify_wgmma import runs_transposed
         name = "wgmmaT" if runs_transposed(inputs[5].shape[1] * inputs[0].shape[1]) else name
@@ -438,69 +431,6 @@ def run_variants(args) -> None:
                   f"{flops / us / 1e6:7.1f} TFLOP/s {nbytes / us / 1e3:6.0f} GB/s{tag}", flush=True)
 
 
-def run_clusters(args) -> None:
-    """The Gluon kernel against the cluster kernel at each cluster size's config, side by side
-    under graph replay (the B 1 tree shapes of the grid and B 2 x 16 x h 8 by default; --shapes
-    for others), as in docs/verify_attention_log.md (the cluster kernel)."""
-    from ddtree.kernels.mla_verify_cluster import cluster_config, mla_verify_attention_cluster
-    from ddtree.kernels.mla_verify_wgmma import mla_verify_attention_wgmma
-    shapes = args.shapes or ([(1, n, h, p) for n in (16, 64) for h in (8, 16) for p in (1024, 8192, 32768)]
-                             + [(2, 16, 8, 8192), (2, 16, 8, 32768)])
-    work = Workload(max(s[0] for s in shapes), max(s[3] for s in shapes), max(s[1] for s in shapes))
-    gen = torch.Generator().manual_seed(0)
-    scale = (C + R) ** -0.5
-    for batch, nodes, heads, prefix in shapes:
-        inputs = work.case(batch, nodes, heads, prefix, gen)
-        kv_bound = inputs[3].shape[1] * PAGE
-        configs = [cluster_config(nodes * heads, batch, kv_bound, 0)]
-        configs += [cluster_config(nodes * heads, batch, kv_bound, 0, cluster=c) for c in (1, 2, 4, 8)]
-        line = (f"clusters b={batch} n={nodes} h={heads} p={prefix}: wgmma "
-                f"{graph_us(lambda: mla_verify_attention_wgmma(*inputs, scale)):.1f} us")
-        for cfg in dict.fromkeys(configs):
-            us = graph_us(lambda: mla_verify_attention_cluster(*inputs, scale, config=cfg))
-            line += f" | {cfg}{' (default)' if cfg == configs[0] else ''} {us:.1f}"
-        emit(args, line)
-
-
-DECODE_CLUSTER_SHAPES = [(b, n, h, p) for b in (1, 16, 32, 48, 64, 128) for n, h in ((1, 8), (1, 16), (2, 8))
-                         for p in (1024, 8192, 32768)]
-
-
-def run_decode_clusters(args) -> None:
-    """The Gluon transposed kernel against the cluster decode kernel's default config and, per
-    cluster size, one cluster a request (where one wave holds them) and single CTAs filling the
-    wave (merged by a second launch), side by side under graph replay, with the copy ceiling."""
-    from ddtree.kernels.mla_decode_cluster import decode_candidates, decode_config, mla_decode_attention_cluster
-    from ddtree.kernels.mla_verify_wgmma import mla_verify_attention_wgmma
-    shapes = args.shapes or DECODE_CLUSTER_SHAPES
-    work = Workload(max(s[0] for s in shapes), max(s[3] for s in shapes), max(s[1] for s in shapes))
-    gen = torch.Generator().manual_seed(0)
-    scale = (C + R) ** -0.5
-    deadline = time.monotonic() + args.seconds
-    for batch, nodes, heads, prefix in shapes:
-        if time.monotonic() > deadline:
-            emit(args, f"deadline: skipped decode_clusters b={batch} n={nodes} h={heads} p={prefix}")
-            continue
-        inputs = work.case(batch, nodes, heads, prefix, gen)
-        rows, kv_bound = nodes * heads, inputs[3].shape[1] * PAGE
-        default = decode_config(rows, batch, kv_bound, 0)
-        fits, splits = decode_candidates(rows, batch, kv_bound, 0)
-        configs = [default] + [(c, c) for c in fits[::-1]] + ([(splits, 1)] if splits > 1 else [])
-        _, nbytes = counts(batch, nodes, heads, prefix)
-        copy = copy_us(*copy_pair(nbytes))  # eager, the ceiling of the grid's %copy_g
-        want = mla_verify_attention_wgmma(*inputs, scale)[0]
-        gluon = graph_us(lambda: mla_verify_attention_wgmma(*inputs, scale))
-        line = (f"decode_clusters b={batch} n={nodes} h={heads} p={prefix}: copy {copy:.1f} us | wgmmaT {gluon:.1f}"
-                f" ({100 * copy / gluon:.0f}%)")
-        for cfg in dict.fromkeys(configs):
-            got = mla_decode_attention_cluster(*inputs, scale, config=cfg)[0]
-            diff = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-            us = graph_us(lambda: mla_decode_attention_cluster(*inputs, scale, config=cfg))
-            tag = "*" if cfg == default else ""
-            line += f" | {cfg[0]}/{cfg[1]}{tag} {us:.1f} ({100 * copy / us:.0f}%{'' if diff < 2e-2 else ' DIFF'})"
-        emit(args, line)
-
-
 def ptxas_usage(ptxas: str, ptx: str) -> list[str]:
     """ptxas -v's register and spill lines for one kernel's PTX, assembled for sm_90a."""
     with tempfile.TemporaryDirectory() as d:
@@ -561,10 +491,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resources", action="store_true")
     parser.add_argument("--decode", action="store_true", help="decode shapes: new vs old config, eager and graph")
     parser.add_argument("--sweep", action="store_true", help="decode configs under graph replay vs the model")
-    parser.add_argument("--clusters", action="store_true",
-                        help="the Gluon kernel against the cluster kernel's configs, graph replay (B 1 and B 2 trees)")
-    parser.add_argument("--decode-clusters", action="store_true",
-                        help="the Gluon transposed kernel against the cluster decode kernel's configs, graph replay")
     parser.add_argument("--shapes", type=parse_shapes, default=None,
                         help="grid rows for these BxNODESxHxPREFIX shapes only (comma-separated)")
     parser.add_argument("--text", type=Path, default=None, help="also append the decode/sweep/shapes lines here")
@@ -577,12 +503,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.variants:
         run_variants(args)
-        return 0
-    if args.clusters:
-        run_clusters(args)
-        return 0
-    if args.decode_clusters:
-        run_decode_clusters(args)
         return 0
     def append(text: str) -> None:
         if args.text:
@@ -602,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         table = "\n".join(format_row(r) for r in sorted(rows, key=lambda r: (r["heads"], r["nodes"], r["batch"], r["prefix"])))
         props = torch.cuda.get_device_properties(0)
         import triton
-        text = (f"\nTree-verify MLA attention (the dispatcher's kernel: cluster, clusterT, wgmma or triton), bf16, latent 512 + rope 64, page {PAGE}; median device time (CUDA events)\n"
+        text = (f"\nTree-verify MLA attention (the dispatcher's kernel: wgmma or triton), bf16, latent 512 + rope 64, page {PAGE}; median device time (CUDA events)\n"
                 f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}\n"
                 f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
                 f"command: python benchmarks/bench_verify_attn.py {' '.join(argv if argv is not None else sys.argv[1:])}\n"
@@ -612,9 +532,7 @@ def main(argv: list[str] | None = None) -> int:
                 "xref: torch reference time over kernel time (nan: reference skipped, > 4 GB);\n"
                 "kernel: what the model's dispatcher runs (wgmma on sm_90 since 2026-11-30, for any rows; until then >= 64 rows;\n"
                 "wgmmaT: its transposed kernel for <= 16 rows per request, since session 11;\n"
-                "cluster: the CUDA C++ cluster kernel for trees in <= 16 row blocks since session 21 (<= 2 in session 20);\n"
-                "clusterT: the CUDA C++ cluster decode kernel for <= 16 rows per request, in batches it serves with one cluster a request\n"
-                "(session 22: clusters of 2 filling half the device; since session 23 also <= 2 tiles a CTA, clusters of 1-16));\n"
+                "(the CUDA C++ cluster kernels of sessions 20-28 were removed on 2026-12-02: kernels/dispatch.py says why);\n"
                 "triton_us: the Triton kernel on the same inputs, same run; xtriton = triton_us / us;\n"
                 "graph_us: the dispatcher's kernel under CUDA-graph replay (no host gaps between its kernel and\n"
                 "merge launches), %mm_g / %copy_g against the same (eager) ceilings\n"

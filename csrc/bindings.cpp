@@ -15,5 +15,4 @@ PYBIND11_MODULE(_C, m) {
   ddtree::register_runtime(m);
   ddtree::register_tree(m);
   ddtree::register_transport(m);
-  ddtree::register_attn(m);
 }

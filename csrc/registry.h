@@ -6,5 +6,4 @@ namespace ddtree {
 void register_runtime(pybind11::module_& m);
 void register_tree(pybind11::module_& m);  // csrc/tree/tree_bindings.cpp
 void register_transport(pybind11::module_& m);  // csrc/transport_ops.cpp
-void register_attn(pybind11::module_& m);  // csrc/attn/attn_bindings.cpp
 }  // namespace ddtree

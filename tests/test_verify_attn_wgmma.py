@@ -85,7 +85,6 @@ def test_dispatcher_uses_wgmma_for_any_rows_and_triton_for_small_pages(monkeypat
     import ddtree.kernels.mla_verify_triton as triton_module
     import ddtree.kernels.mla_verify_wgmma as wgmma_module
     from ddtree.models.mla_attention import mla_verify_attention
-    monkeypatch.setenv("DDTREE_VERIFY_ATTN", "wgmma")  # not the cluster kernel for few row blocks
     calls = []
     for module, name in ((wgmma_module, "mla_verify_attention_wgmma"), (triton_module, "mla_verify_attention_triton")):
         original = getattr(module, name)

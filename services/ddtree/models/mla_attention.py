@@ -55,11 +55,11 @@ def gather_cache_rows(cache: torch.Tensor, block_table: torch.Tensor, length: in
 def mla_verify_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                          block_table: torch.Tensor, prefix_lens: torch.Tensor, mask: torch.Tensor,
                          softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatcher with the reference's contract (below): a CUDA C++, Gluon or Triton kernel where one
-    applies (kernels.dispatch)."""
+    """Dispatcher with the reference's contract (below): a Gluon or Triton kernel where one applies
+    (kernels.dispatch)."""
     if q_latent.is_cuda:
         from ..kernels.dispatch import verify_kernel
-        chosen = verify_kernel(q_latent, q_rope, cache, mask, block_table.shape[-1] * cache.shape[1])
+        chosen = verify_kernel(q_latent, q_rope, cache, mask)
         if chosen is not None:
             return chosen[1](q_latent, q_rope, cache, block_table, prefix_lens, mask, softmax_scale)
     return mla_verify_attention_reference(q_latent, q_rope, cache, block_table, prefix_lens, mask,
