@@ -484,7 +484,8 @@ class Engine:
         tree_exp = expected_tokens(odds, calib, widths)
         chain_p = chain_odds(lp)
         chain_exp = 1.0 + torch.tensor([c[0] for c in calib], dtype=torch.float64) * chain_p.sum(1)
-        others = [i for i in range(len(batch)) if i not in set(rows)]
+        policy = set(rows)
+        others = [i for i in range(len(batch)) if i not in policy]
         other_width = max((int(trees.num_nodes[i]) + 1 for i in others), default=1)
         other_exp = sum(batch[i].committed / batch[i].steps if batch[i].steps else 1.0 for i in others)
         n = len(batch)
