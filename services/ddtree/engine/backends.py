@@ -109,26 +109,14 @@ def on_host(trees: Trees) -> Trees:
 def concat_trees(parts: Sequence[Trees]) -> Trees:
     """Stacks tree batches of different widths, padding to the widest (padding rows see themselves)."""
     n = max(p.width for p in parts)
-    words = (n + 1 + 63) // 64
-    out = []
-    for p in parts:
-        b, pad = p.tokens.shape[0], n - p.width
-        mask = torch.zeros(b, n + 1, words, dtype=torch.int64)
-        mask[:, :p.width + 1, :p.mask.shape[2]] = p.mask.view(torch.int64) if p.mask.dtype == torch.uint64 else p.mask
-        for i in range(p.width + 1, n + 1):  # padding node i: only its own bit
-            mask[:, i, i // 64] = _bit(i % 64)
-        out.append(Trees(
-            tokens=torch.cat([p.tokens.to(torch.int32), torch.full((b, pad), -1, dtype=torch.int32)], 1),
-            depths=torch.cat([p.depths.to(torch.int32), torch.zeros(b, pad, dtype=torch.int32)], 1),
-            parents=torch.cat([p.parents.to(torch.int32), torch.full((b, pad), -1, dtype=torch.int32)], 1),
-            num_nodes=p.num_nodes.to(torch.int32), mask=mask, draft_len=p.draft_len))
+    out = [_widen(_host_layout(p), n) for p in parts]
     return Trees(*(torch.cat([getattr(t, f) for t in out]) for f in FIELDS), draft_len=max(p.draft_len for p in parts))
 
 
 def cut_trees(trees: Trees, rows: Sequence[int], nodes: int) -> Trees:
     """Rows `rows` keep their first `nodes` nodes: for best-first trees exactly the tree a budget
     of `nodes` builds (the build pops nodes in that order). The batch narrows to its widest row."""
-    t = _clone(trees)
+    t = _host_layout(trees, copy=True)
     r = torch.tensor(list(rows), dtype=torch.long)
     n = t.width
     if nodes < n and len(r):
@@ -143,7 +131,7 @@ def cut_trees(trees: Trees, rows: Sequence[int], nodes: int) -> Trees:
 def chain_trees(trees: Trees, rows: Sequence[int], ids: torch.Tensor) -> Trees:
     """Rows `rows` become the chain of ids [len(rows), D] (node i at depth i, child of i - 1)."""
     d = ids.shape[1]
-    t = _widen(_clone(trees), max(trees.width, d))
+    t = _widen(_host_layout(trees, copy=True), max(trees.width, d))
     r = torch.tensor(list(rows), dtype=torch.long)
     if len(r):
         w, words = t.width, t.mask.shape[2]
@@ -160,17 +148,19 @@ def chain_trees(trees: Trees, rows: Sequence[int], ids: torch.Tensor) -> Trees:
     return _narrow(t, int(t.num_nodes.max()))
 
 
-def _clone(trees: Trees) -> Trees:
+def _host_layout(trees: Trees, copy: bool = False) -> Trees:
+    """int32 node tensors and the mask's bits as int64 (the layout the engine assembles in); with
+    `copy`, tensors the caller may write in place."""
     mask = trees.mask.view(torch.int64) if trees.mask.dtype == torch.uint64 else trees.mask
-    return Trees(trees.tokens.clone(), trees.depths.clone(), trees.parents.clone(), trees.num_nodes.clone(),
-                     mask.clone(), draft_len=trees.draft_len)
+    return Trees(*(getattr(trees, f).to(torch.int32, copy=copy) for f in ("tokens", "depths", "parents", "num_nodes")),
+                 mask.clone() if copy else mask, draft_len=trees.draft_len)
 
 
 def _narrow(t: Trees, width: int) -> Trees:
     words = (width + 1 + 63) // 64  # contiguous copies: the tree kernels read raw rows
     return Trees(t.tokens[:, :width].contiguous(), t.depths[:, :width].contiguous(),
-                     t.parents[:, :width + 1].contiguous(), t.num_nodes, t.mask[:, :width + 1, :words].contiguous(),
-                     draft_len=t.draft_len)
+                 t.parents[:, :width + 1].contiguous(), t.num_nodes, t.mask[:, :width + 1, :words].contiguous(),
+                 draft_len=t.draft_len)
 
 
 def _widen(t: Trees, width: int) -> Trees:
@@ -181,9 +171,9 @@ def _widen(t: Trees, width: int) -> Trees:
     mask = _self_bits(width + 1, words).expand(b, -1, -1).clone()
     mask[:, :t.width + 1, :t.mask.shape[2]] = t.mask
     return Trees(torch.cat([t.tokens, torch.full((b, pad), -1, dtype=t.tokens.dtype)], 1),
-                     torch.cat([t.depths, torch.zeros(b, pad, dtype=t.depths.dtype)], 1),
-                     torch.cat([t.parents, torch.full((b, pad), -1, dtype=t.parents.dtype)], 1),
-                     t.num_nodes, mask, draft_len=t.draft_len)
+                 torch.cat([t.depths, torch.zeros(b, pad, dtype=t.depths.dtype)], 1),
+                 torch.cat([t.parents, torch.full((b, pad), -1, dtype=t.parents.dtype)], 1),
+                 t.num_nodes, mask, draft_len=t.draft_len)
 
 
 @functools.cache

@@ -160,7 +160,6 @@ class _Request:
     finished: bool = False
     server_choice: bool = False        # mode left to the server (the ar fall-back may apply)
     calibration: Calibration = field(default_factory=Calibration)  # accepted / predicted nodes (budget policy)
-    verified_main: torch.Tensor | None = None  # this step's policy tree: which nodes are on the top-1 path
 
 
 class Engine:
@@ -202,7 +201,8 @@ class Engine:
         self._graph_widths = tuple(graphs.buckets.nodes) if graphs is not None else ()
         self._other_ms = 0.0
         self._calibration = Calibration()
-        self._pending_odds: dict[int, torch.Tensor] = {}  # batch index -> odds of its verified tree's nodes
+        # batch index -> (odds, on-the-top-path flags) of the nodes its policy tree verifies this step
+        self._pending_odds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.last_choice: WidthChoice | None = None
 
     # ---- public ----------------------------------------------------------------------------------
@@ -393,11 +393,9 @@ class Engine:
             if top is not None:
                 trees = self._choose_width_safely(step, batch, trees, *top)
             roots = torch.tensor([r.bonus for r in batch], dtype=torch.int64)
-            verify_started = time.perf_counter()
             with self._component(S.VERIFY, backend="local"), self.timer.region(S.VERIFY):
                 posterior, features = self.target.verify([r.seq_id for r in batch], roots, trees,
                                                          [r.sampler for r in batch])  # syncs (posterior on host)
-            verify_ms = (time.perf_counter() - verify_started) * 1e3
             accepted = self._accept(step_id, trees, posterior)
             self._calibrate(batch, accepted)
             with self._component(S.COMMIT, backend="local"), self.timer.region(S.COMMIT):
@@ -407,10 +405,10 @@ class Engine:
             if self._down:
                 step.set_attribute(S.DEGRADATION, "; ".join(reason for _, reason in self._down.values()))
             S.end_step(step, tree_nodes=int(trees.num_nodes.sum()) + len(batch), accepted_tokens=committed)
-        step_ms = (time.perf_counter() - started) * 1e3
+        verify_ms = self._components[S.VERIFY] * 1e3
+        rest_ms = max(0.0, (time.perf_counter() - started) * 1e3 - verify_ms)
         self.costs.observe(len(batch), trees.width + 1, verify_ms)
-        self._other_ms += 0.25 * (max(0.0, step_ms - verify_ms) - self._other_ms) if self._step_id > 1 else \
-            max(0.0, step_ms - verify_ms)
+        self._other_ms = rest_ms if self._step_id == 1 else self._other_ms + 0.25 * (rest_ms - self._other_ms)
         if self.metrics is not None:
             self.metrics.step_done(len(batch), time.perf_counter() - started, self._components)
 
@@ -458,8 +456,6 @@ class Engine:
         except Exception:  # noqa: BLE001 - logged with its traceback; the step goes on uncut
             log.exception("budget policy failed at step %d; verifying the trees as built", self._step_id)
             self._pending_odds, self.last_choice = {}, None
-            for r in batch:
-                r.verified_main = None
             return trees
 
     def _choose_width(self, step, batch: list[_Request], trees: Trees, spec_rows, top_lp, top_ids) -> Trees:
@@ -499,18 +495,11 @@ class Engine:
                                  S.POLICY_CANDIDATES: "; ".join(f"{lb} {tk:.2f}/{ms:.2f}"
                                                                 for lb, tk, ms in choice.candidates)})
         if choice.chain:
-            d = chain_p.shape[1]
-            trees = chain_trees(trees, rows, ids[:, :, 0])
-            for i in rows:
-                batch[i].verified_main = torch.ones(d, dtype=torch.bool)
-                batch[i].budget = d
+            trees, nodes = chain_trees(trees, rows, ids[:, :, 0]), chain_p.shape[1]
             odds = NodeOdds(chain_p, torch.ones_like(chain_p, dtype=torch.bool))
         else:
-            trees = cut_trees(trees, rows, choice.width - 1)
-            for j, i in enumerate(rows):
-                batch[i].verified_main = odds.main[j, :choice.width - 1]
-                batch[i].budget = choice.width - 1
-        self._pending_odds = {i: odds.prob[j, :len(batch[i].verified_main)] for j, i in enumerate(rows)}
+            trees, nodes = cut_trees(trees, rows, choice.width - 1), choice.width - 1
+        self._pending_odds = {i: (odds.prob[j, :nodes], odds.main[j, :nodes]) for j, i in enumerate(rows)}
         return trees
 
     def _candidate_widths(self, built: int) -> list[int]:
@@ -529,14 +518,11 @@ class Engine:
     def _calibrate(self, batch: list[_Request], accepted: Accepted) -> None:
         """Accepted nodes of each policy row against what its tree's odds predicted."""
         pending, self._pending_odds = self._pending_odds, {}
-        for i, prob in pending.items():
-            req = batch[i]
-            main = req.verified_main
-            req.verified_main = None
+        for i, (prob, main) in pending.items():
             path = accepted.path[i, 1:int(accepted.length[i])].long() - 1  # accepted nodes, 0-based
             hit_main = int(main[path].sum()) if len(path) else 0
             parts = (hit_main, float(prob[main].sum()), len(path) - hit_main, float(prob[~main].sum()))
-            req.calibration.update(*parts)
+            batch[i].calibration.update(*parts)
             self._calibration.update(*parts)
 
     def _to_ar(self, req: _Request, reason: str = "") -> None:
@@ -635,7 +621,7 @@ class Engine:
         whole = None
         if spec_rows:
             with self._component(S.TREE_BUILD, backend=self._tree_name()) as span, \
-                    self._gpu_region(S.TREE_BUILD, self.tree if "treebuild" not in self._down else self.local_tree):
+                    self._gpu_region(S.TREE_BUILD, self._active_tree()):
                 for mode in (Mode.DDTREE, Mode.CHAIN):
                     rows = [i for i, r in enumerate(spec_rows) if r.mode is mode]
                     if not rows:
@@ -652,6 +638,10 @@ class Engine:
                     for j, i in enumerate(rows):
                         parts[id(spec_rows[i])] = _row(built, j)
         return whole
+
+    def _active_tree(self) -> TreeBackend | None:
+        """The tree backend new work goes to: the sidecar, or the in-process one while it is down."""
+        return self.local_tree if self.tree is None or "treebuild" in self._down else self.tree
 
     def _tree_name(self) -> str:
         return "local" if self.tree is None or "treebuild" in self._down else self.tree.name
@@ -670,7 +660,7 @@ class Engine:
             zeros = torch.zeros(b, 1, dtype=torch.int64)
             return Accepted(path=zeros, length=torch.ones(b, dtype=torch.int64), bonus=posterior[:, 0], keep=zeros)
         with self._component(S.ACCEPT, backend=self._tree_name()) as span, \
-                self._gpu_region(S.ACCEPT, self.tree if "treebuild" not in self._down else self.local_tree):
+                self._gpu_region(S.ACCEPT, self._active_tree()):
             if self.tree is not self.local_tree and self._peer_ok("treebuild"):
                 try:
                     accepted = self.tree.accept(step_id, trees, posterior)
