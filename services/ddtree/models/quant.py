@@ -138,16 +138,22 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     words = math.ceil(in_dim / INT4_PACK)
     u = torch.zeros(out_dim, words * INT4_PACK, dtype=torch.int64, device=q.device)
     u[:, :in_dim] = q.to(torch.int64) + _INT4_OFFSET
-    shifts = torch.arange(INT4_PACK, dtype=torch.int64, device=q.device) * 4
-    packed = (u.view(out_dim, words, INT4_PACK) << shifts).sum(dim=2)  # < 2**32, exact in int64
-    # Reinterpret the unsigned 32-bit word as int32 (two's complement), as the format stores it.
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return _pack_nibbles(u.view(out_dim, words, INT4_PACK))
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """int32 ``[rows, words]`` -> the stored nibbles, int32 ``[rows, 8 * words]`` in [0, 15]."""
+    """int32 ``[..., words]`` -> the stored nibbles, int32 ``[..., 8 * words]`` in [0, 15], nibble i
+    of word j at 8 j + i."""
     shifts = torch.arange(INT4_PACK, dtype=torch.int32, device=packed.device) * 4
-    return ((packed.unsqueeze(-1) >> shifts) & 0xF).view(packed.shape[0], -1)  # mask undoes sign fill
+    return ((packed.unsqueeze(-1) >> shifts) & 0xF).flatten(-2)  # the mask undoes the sign fill
+
+
+def _pack_nibbles(nib: torch.Tensor) -> torch.Tensor:
+    """Nibbles [..., words, 8] (nibble i of each word last) -> int32 words [..., words]."""
+    shifts = torch.arange(INT4_PACK, dtype=torch.int64, device=nib.device) * 4
+    packed = (nib.to(torch.int64) << shifts).sum(dim=-1)  # < 2**32, exact in int64
+    # Reinterpret the unsigned 32-bit word as int32 (two's complement), as the format stores it.
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 # The GPU kernels' INT4 layout (`int4_to_sliced`): a row's columns in steps of 256 = 32 words; in
@@ -162,21 +168,13 @@ def int4_sliced_words(in_dim: int) -> int:
     return math.ceil(in_dim / INT4_STEP) * INT4_STEP_WORDS
 
 
-def _pack_nibbles(nib: torch.Tensor) -> torch.Tensor:
-    """int64 nibbles [..., words, 8] (nibble i of each word last) -> int32 words [..., words]."""
-    shifts = torch.arange(INT4_PACK, dtype=torch.int64, device=nib.device) * 4
-    packed = (nib << shifts).sum(dim=-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
 def int4_to_sliced(packed: torch.Tensor) -> torch.Tensor:
     """Checkpoint-layout int32 words ``[..., rows, words]`` -> the sliced layout
     ``[..., rows, int4_sliced_words(8 * words)]`` (a permutation of each step's nibbles)."""
     lead, words = packed.shape[:-1], packed.shape[-1]
     steps = math.ceil(words / INT4_STEP_WORDS)
-    nib = torch.full((*lead, steps * INT4_STEP), _INT4_OFFSET, dtype=torch.int64, device=packed.device)
-    shifts = torch.arange(INT4_PACK, dtype=torch.int32, device=packed.device) * 4
-    nib[..., : 8 * words] = ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(*lead, 8 * words)
+    nib = torch.full((*lead, steps * INT4_STEP), _INT4_OFFSET, dtype=torch.int32, device=packed.device)
+    nib[..., : 8 * words] = _nibbles(packed)
     # [steps, i, j] (column 32 i + j) -> word j, nibble i
     nib = nib.view(*lead, steps, INT4_PACK, INT4_STEP_WORDS).transpose(-1, -2)
     return _pack_nibbles(nib).reshape(*lead, steps * INT4_STEP_WORDS)
@@ -185,10 +183,9 @@ def int4_to_sliced(packed: torch.Tensor) -> torch.Tensor:
 def int4_from_sliced(sliced: torch.Tensor, words: int) -> torch.Tensor:
     """The inverse of `int4_to_sliced`: back to ``words`` checkpoint-layout words per row."""
     lead, steps = sliced.shape[:-1], sliced.shape[-1] // INT4_STEP_WORDS
-    shifts = torch.arange(INT4_PACK, dtype=torch.int32, device=sliced.device) * 4
-    nib = ((sliced.unsqueeze(-1) >> shifts) & 0xF).view(*lead, steps, INT4_STEP_WORDS, INT4_PACK)
+    nib = _nibbles(sliced).view(*lead, steps, INT4_STEP_WORDS, INT4_PACK)
     nib = nib.transpose(-1, -2).reshape(*lead, steps * INT4_STEP)[..., : 8 * words]  # column order
-    return _pack_nibbles(nib.reshape(*lead, words, INT4_PACK).to(torch.int64))
+    return _pack_nibbles(nib.reshape(*lead, words, INT4_PACK))
 
 
 def unpack_int4(packed: torch.Tensor, in_dim: int) -> torch.Tensor:
