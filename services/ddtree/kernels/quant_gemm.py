@@ -134,6 +134,18 @@ def _fp8_tile_dot(W, S, rows, srows, n_ok, offs_k, ks, K, stride_wn, stride_sn, 
 
 
 @triton.jit
+def _load_x(X, x_rows, row_ok, stride_xm, offs_k, K, SWAP: tl.constexpr):
+    """The activation tile of rows x_rows and columns offs_k: [BK, BM] (SWAP) or [BM, BK]."""
+    if SWAP:
+        x = tl.load(X + x_rows[None, :] * stride_xm + offs_k[:, None],
+                    mask=row_ok[None, :] & (offs_k < K)[:, None], other=0.0)
+    else:
+        x = tl.load(X + x_rows[:, None] * stride_xm + offs_k[None, :],
+                    mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    return x
+
+
+@triton.jit
 def _int4_slice(words, i: tl.constexpr, S, r64, n_ok, k0, offs_k, stride_sn, n_groups, GROUP: tl.constexpr, dtype):
     """Slice i (columns k0 .. k0+31) of a step's words [BN, 32], dequantized to dtype [BN, 32]."""
     nib = (words >> (4 * i)) & 0xF  # the mask undoes the arithmetic shift's sign fill
@@ -165,12 +177,7 @@ def _int4_step(X, x_rows, row_ok, stride_xm, W, S, rows, n_ok, ks, K, stride_wn,
     for i in tl.static_range(8):
         k0 = ks * 256 + i * 32
         offs_k = k0 + j
-        if SWAP:
-            x = tl.load(X + x_rows[None, :] * stride_xm + offs_k[:, None],
-                        mask=row_ok[None, :] & (offs_k < K)[:, None], other=0.0)  # [32, BM]
-        else:
-            x = tl.load(X + x_rows[:, None] * stride_xm + offs_k[None, :],
-                        mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)  # [BM, 32]
+        x = _load_x(X, x_rows, row_ok, stride_xm, offs_k, K, SWAP)
         acc_g += _tile_dot(_int4_slice(words_g, i, S, r_g, n_ok, k0, offs_k, stride_sn, n_groups, GROUP, x.dtype),
                            x, SWAP)
         if SILU:
@@ -254,12 +261,7 @@ def _quant_gemm_kernel(
     for ks in range(k_lo, k_hi):
         if FP8:
             offs_k = ks * BLOCK_K + tl.arange(0, BLOCK_K)
-            if SWAP:
-                x = tl.load(X + x_rows[None, :] * stride_xm + offs_k[:, None],
-                            mask=row_ok[None, :] & (offs_k < K)[:, None], other=0.0)  # [BK, BM]
-            else:
-                x = tl.load(X + x_rows[:, None] * stride_xm + offs_k[None, :],
-                            mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)  # [BM, BK]
+            x = _load_x(X, x_rows, row_ok, stride_xm, offs_k, K, SWAP)
             if PREQUANT:  # x is e4m3 already, its 1x128 scales in XScale
                 xs = tl.load(XScale + x_rows * stride_xsm + ks, mask=row_ok, other=0.0)
             else:
