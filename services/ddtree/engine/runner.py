@@ -198,6 +198,12 @@ class BucketGraphs:
             self._forward(*bucket)
         self.replays += 1
 
+    def _load_idle(self, bucket: tuple[int, int]) -> None:
+        """A batch of idle rows in the bucket's device inputs (what capture and timing run on)."""
+        self._fill_idle(*bucket)
+        used = self._size(*bucket)
+        self.dev[:used].copy_(self.host[:used])
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
         """Two eager runs per bucket (Triton JIT, library heuristics) then its capture, on one side
@@ -206,9 +212,7 @@ class BucketGraphs:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool, stream = None, torch.cuda.Stream(self.device)
         for bucket in sorted(self.buckets.all(), key=lambda k: (k[0] * k[1], k), reverse=True):
-            self._fill_idle(*bucket)
-            used = self._size(*bucket)
-            self.dev[:used].copy_(self.host[:used])
+            self._load_idle(bucket)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):
@@ -233,9 +237,7 @@ class BucketGraphs:
         (live steps refresh it; idle rows hit fewer MoE experts than real ones)."""
         out = {}
         for bucket, graph in self.graphs.items():
-            self._fill_idle(*bucket)
-            used = self._size(*bucket)
-            self.dev[:used].copy_(self.host[:used])
+            self._load_idle(bucket)
             graph.replay()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
