@@ -135,7 +135,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def header(argv: list[str]) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # the device's copy of .git can lag its working tree: there the call passes REPO_COMMIT
+    commit = os.environ.get("REPO_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                            capture_output=True, text=True).stdout.strip()
     try:
         import torch
 
