@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     stacks = {}
 
     def start(stack: str):
-        ns = argparse.Namespace(stack=stack, target=args.target, drafter=args.drafter, up_arg=args.up_arg,
+        ns = argparse.Namespace(stack=stack, target=args.target, drafter=args.drafter, up_arg=["--no-http", *args.up_arg],
                                 verify_arg=[*args.verify_arg, f"--metrics-port={ports[stack]}"],
                                 start_timeout=args.start_timeout)
         stacks[stack] = start_stack(ns, {"OTEL_TRACES_SAMPLER": "always_off"}, Path(args.out).with_suffix(f".{stack}.log"))
