@@ -71,14 +71,14 @@ def test_node_odds_are_the_reference_heap_path_probabilities():
     trees = built(lp, ids, 30)
     odds = node_odds(trees.tokens, trees.depths, trees.parents, lp, ids)
     for b, want in enumerate(ref_scores(lp, ids, 30)):
-        np.testing.assert_allclose(odds.prob[b, :len(want)].numpy(), want, rtol=1e-6)
+        np.testing.assert_allclose(odds.prob[b, :len(want)], want, rtol=1e-6)
         assert (np.diff(want) <= 1e-12).all()  # best-first: non-increasing
     # the main flags are exactly the top-1 path's nodes
     for b in range(4):
         main = [i for i in range(trees.width) if odds.main[b, i]]
         tokens = [int(trees.tokens[b, i]) for i in main]
         assert tokens == [int(t) for t in ids[b, :len(main), 0]]
-    np.testing.assert_allclose(chain_odds(lp)[0].numpy(), np.exp(np.cumsum(lp[0, :, 0].double().numpy())))
+    np.testing.assert_allclose(chain_odds(lp)[0], np.exp(np.cumsum(lp[0, :, 0].double().numpy())))
 
 
 # ---- expected tokens, calibration ----------------------------------------------------------------
@@ -87,7 +87,7 @@ def test_expected_tokens_sum_calibrated_odds_up_to_each_width():
     prob = torch.tensor([[0.9, 0.5, 0.3, 0.0]], dtype=torch.float64)
     main = torch.tensor([[True, False, True, False]])
     e = expected_tokens(NodeOdds(prob, main), [(1.0, 0.5)], [1, 2, 3, 4, 9])
-    np.testing.assert_allclose(e[0].numpy(), [1.0, 1.9, 2.15, 2.45, 2.45])
+    np.testing.assert_allclose(e[0], [1.0, 1.9, 2.15, 2.45, 2.45])
 
 
 def test_calibration_is_accepted_over_predicted_by_part_and_starts_from_its_prior():

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import math
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -64,50 +64,52 @@ class BudgetPolicy:
 
 # ---- expected acceptance -------------------------------------------------------------------------
 
+# The policy's arithmetic is numpy on the host: its arrays are small ([rows, nodes <= 64]), where
+# a torch CPU op costs ~5-10 us of dispatch against ~1 us for numpy; in torch the choice took 24%
+# of a ddtree step at concurrency 1 on the H200 (py-spy, bundled pair, in process).
+
 @dataclass(frozen=True)
 class NodeOdds:
     """Per tree row, the drafter's path probability of each node, in build (best-first) order."""
 
-    prob: torch.Tensor  # [R, N] float64, 0 for padding
-    main: torch.Tensor  # [R, N] bool: the node is on the top-1 path (every rank along it 0)
+    prob: np.ndarray  # [R, N] float64, 0 for padding
+    main: np.ndarray  # [R, N] bool: the node is on the top-1 path (every rank along it 0)
 
 
-def node_odds(tokens: torch.Tensor, depths: torch.Tensor, parents: torch.Tensor, top_lp: torch.Tensor,
-              top_ids: torch.Tensor) -> NodeOdds:
+def node_odds(tokens, depths, parents, top_lp, top_ids) -> NodeOdds:
     """The drafter's probabilities of the nodes of built trees: tokens/depths [R, N], parents
-    [R, N+1] (Trees layout) and the top-k they were built from, top_lp/top_ids [R, D, K].
+    [R, N+1] (Trees layout) and the top-k they were built from, top_lp/top_ids [R, D, K] (host
+    arrays or CPU tensors).
 
     A node's rank is where its token sits in its depth's top-k (a depth's top-k ids are distinct);
     its path log-probability is its parent's plus its own."""
+    tokens, depths, parents = (np.asarray(a).astype(np.int64, copy=False) for a in (tokens, depths, parents))
+    lp, ids = np.asarray(top_lp, dtype=np.float64), np.asarray(top_ids).astype(np.int32, copy=False)
     r, n = tokens.shape
     if n == 0:
-        empty = torch.zeros(r, 0, dtype=torch.float64)
-        return NodeOdds(empty, empty.bool())
-    lp, ids = top_lp.detach().to("cpu", torch.float64), top_ids.detach().cpu()
-    tokens, depths, parents = tokens.long(), depths.long(), parents.long()
+        return NodeOdds(np.zeros((r, 0)), np.zeros((r, 0), dtype=bool))
     real = tokens >= 0
-    level = (depths - 1).clamp(0, lp.shape[1] - 1)
-    rows = torch.arange(r)[:, None]
-    match = ids[rows, level] == tokens[:, :, None]                  # [R, N, K]
-    rank = match.max(-1).indices
-    own = torch.where(real, lp[rows, level, rank], torch.zeros(()))  # [R, N]
-    zero = torch.zeros(r, 1, dtype=torch.float64)
+    level = np.clip(depths - 1, 0, lp.shape[1] - 1)
+    rows = np.arange(r)[:, None]
+    rank = (ids[rows, level] == tokens.astype(np.int32)[:, :, None]).argmax(-1)  # [R, N]; int32 halves the bytes
+    own = np.where(real, lp[rows, level, rank], 0.0)
+    zero = np.zeros((r, 1))
     # sums over each node's ancestors by pointer jumping (log2(depth) passes): the root points at
     # itself and holds 0, so a jump past it adds nothing
-    path = torch.cat([zero, own], 1)
-    off_main = torch.cat([zero, (real & (rank != 0)).double()], 1)  # ranks > 0 along the path
-    up = torch.cat([torch.zeros(r, 1, dtype=torch.long), parents[:, 1:].clamp_min(0)], 1)
+    path = np.concatenate([zero, own], 1)
+    off_main = np.concatenate([zero, (real & (rank != 0)).astype(np.float64)], 1)  # ranks > 0 along the path
+    up = np.concatenate([np.zeros((r, 1), dtype=np.int64), np.maximum(parents[:, 1:], 0)], 1)
     for _ in range(max(1, int(depths.max()).bit_length())):
-        path = path + path.gather(1, up)
-        off_main = off_main + off_main.gather(1, up)
-        up = up.gather(1, up)
-    prob = torch.where(real, path[:, 1:].exp(), torch.zeros(()))
+        path = path + np.take_along_axis(path, up, 1)
+        off_main = off_main + np.take_along_axis(off_main, up, 1)
+        up = np.take_along_axis(up, up, 1)
+    prob = np.where(real, np.exp(path[:, 1:]), 0.0)
     return NodeOdds(prob, (off_main[:, 1:] == 0) & real)
 
 
-def chain_odds(top_lp: torch.Tensor) -> torch.Tensor:
+def chain_odds(top_lp) -> np.ndarray:
     """[R, D] the drafter's probability of each top-1 path prefix: the chain's nodes."""
-    return top_lp[:, :, 0].detach().to("cpu", torch.float64).cumsum(1).exp()
+    return np.exp(np.cumsum(np.asarray(top_lp, dtype=np.float64)[:, :, 0], 1))
 
 
 MAX_FACTOR = 4.0  # accepted over predicted nodes, at most
@@ -212,17 +214,16 @@ class WidthChoice:
     candidates: tuple[tuple[str, float, float], ...]  # (label, expected tokens, ms) of each
 
 
-def expected_tokens(odds: NodeOdds, calib: Sequence[tuple[float, float]], widths: Sequence[int]) -> torch.Tensor:
+def expected_tokens(odds: NodeOdds, calib: Sequence[tuple[float, float]], widths: Sequence[int]) -> np.ndarray:
     """[R, W]: 1 + the calibrated sum of each row's first width - 1 node probabilities."""
-    main = torch.tensor([c[0] for c in calib], dtype=torch.float64)[:, None]
-    side = torch.tensor([c[1] for c in calib], dtype=torch.float64)[:, None]
-    per_node = torch.where(odds.main, odds.prob * main, odds.prob * side)
-    csum = torch.cat([torch.zeros(per_node.shape[0], 1, dtype=torch.float64), per_node.cumsum(1)], 1)
-    cols = torch.tensor([min(t - 1, per_node.shape[1]) for t in widths])
-    return 1.0 + csum[:, cols]
+    factors = np.asarray(calib, dtype=np.float64).reshape(-1, 2)
+    prob = np.asarray(odds.prob, dtype=np.float64)
+    per_node = prob * np.where(np.asarray(odds.main), factors[:, :1], factors[:, 1:])
+    csum = np.concatenate([np.zeros((per_node.shape[0], 1)), per_node.cumsum(1)], 1)
+    return 1.0 + csum[:, [min(t - 1, per_node.shape[1]) for t in widths]]
 
 
-def choose_width(tree_expected: torch.Tensor, widths: Sequence[int], chain_expected: torch.Tensor,
+def choose_width(tree_expected: np.ndarray, widths: Sequence[int], chain_expected: np.ndarray,
                  chain_width: int, *, other_width: int, other_expected: float,
                  step_ms: Callable[[int], float]) -> WidthChoice:
     """The width (or the chain) that maximises the batch's expected tokens per step millisecond.

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from ddtree.engine.backends import (FIELDS, DraftItem, DrafterBackend, LocalDrafter, LocalTree, PeerUnavailable,
@@ -143,7 +144,9 @@ class _Request:
     stop: StopChecker
     arrival: float
     span: object
-    out: "queue.Queue[Chunk | Usage]" = field(default_factory=queue.Queue)
+    # the stream's events: a C queue (a put releases one lock; queue.Queue's put takes a mutex and
+    # notifies a Python Condition, per stream, per step, on the engine thread)
+    out: "queue.SimpleQueue[Chunk | Usage]" = field(default_factory=queue.SimpleQueue)
     bonus: int = -1                    # last committed token, not yet in the target's cache
     position: int = 0                  # committed cache length = the bonus token's position
     new_features: torch.Tensor | None = None  # features since the last draft (spec modes)
@@ -202,7 +205,7 @@ class Engine:
         self._other_ms = 0.0
         self._calibration = Calibration()
         # batch index -> (odds, on-the-top-path flags) of the nodes its policy tree verifies this step
-        self._pending_odds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending_odds: tuple[list[int], NodeOdds] | None = None  # the policy rows' verified odds
         self.last_choice: WidthChoice | None = None
 
     # ---- public ----------------------------------------------------------------------------------
@@ -455,34 +458,37 @@ class Engine:
             return self._choose_width(step, batch, trees, spec_rows, top_lp, top_ids)
         except Exception:  # noqa: BLE001 - logged with its traceback; the step goes on uncut
             log.exception("budget policy failed at step %d; verifying the trees as built", self._step_id)
-            self._pending_odds, self.last_choice = {}, None
+            self._pending_odds, self.last_choice = None, None
             return trees
 
     def _choose_width(self, step, batch: list[_Request], trees: Trees, spec_rows, top_lp, top_ids) -> Trees:
         """The cost-aware choice (ddtree.engine.budget): cuts the policy rows' trees (built up to the
         cap) to the width that maximises expected tokens per step millisecond, or makes them chains."""
-        rows = [i for i in self._policy_rows(batch) if int(trees.num_nodes[i]) > 0]
+        num_nodes = trees.num_nodes.tolist()
+        rows = [i for i in self._policy_rows(batch) if num_nodes[i] > 0]
         self.last_choice = None
         if not rows:
             return trees
         where = {id(r): j for j, r in enumerate(spec_rows)}
-        drafted = torch.tensor([where[id(batch[i])] for i in rows])
-        ids = top_ids[drafted].cpu()  # the trees are on the host (Trees); the draft may be on a GPU
+        drafted = [where[id(batch[i])] for i in rows]
+        if drafted != list(range(len(spec_rows))):  # the usual case (every row a policy row) copies as is
+            top_lp, top_ids = top_lp[torch.tensor(drafted)], top_ids[torch.tensor(drafted)]
+        ids = top_ids.cpu()  # the trees are on the host (Trees); the draft may be on a GPU
         # the drafter's log-probs at each request's calibrated confidence: the same trees (best-first
         # order is unchanged by a positive scale), their odds as acceptance has borne them out
-        alpha = torch.tensor([batch[i].calibration.confidence for i in rows], dtype=torch.float64)
-        lp = top_lp[drafted].detach().to("cpu", torch.float64) * alpha[:, None, None]
-        idx = torch.tensor(rows)
-        odds = node_odds(trees.tokens[idx], trees.depths[idx], trees.parents[idx], lp, ids)
+        alpha = np.array([batch[i].calibration.confidence for i in rows])
+        lp = top_lp.detach().float().cpu().numpy().astype(np.float64) * alpha[:, None, None]
+        host = lambda t: t.cpu().numpy()[rows]  # noqa: E731 - the policy rows of a (host) tree tensor
+        odds = node_odds(host(trees.tokens), host(trees.depths), host(trees.parents), lp, ids.numpy())
         calib = [batch[i].calibration.factors() for i in rows]
-        built = int(trees.num_nodes[idx].max()) + 1
-        widths = sorted({t for t in self._candidate_widths(built)})
+        built = max(num_nodes[i] for i in rows) + 1
+        widths = sorted(set(self._candidate_widths(built)))
         tree_exp = expected_tokens(odds, calib, widths)
         chain_p = chain_odds(lp)
-        chain_exp = 1.0 + torch.tensor([c[0] for c in calib], dtype=torch.float64) * chain_p.sum(1)
+        chain_exp = 1.0 + np.array([c[0] for c in calib]) * chain_p.sum(1)
         policy = set(rows)
         others = [i for i in range(len(batch)) if i not in policy]
-        other_width = max((int(trees.num_nodes[i]) + 1 for i in others), default=1)
+        other_width = max((num_nodes[i] + 1 for i in others), default=1)
         other_exp = sum(batch[i].committed / batch[i].steps if batch[i].steps else 1.0 for i in others)
         n = len(batch)
         choice = choose_width(tree_exp, widths, chain_exp, chain_p.shape[1] + 1, other_width=other_width,
@@ -496,10 +502,10 @@ class Engine:
                                                                 for lb, tk, ms in choice.candidates)})
         if choice.chain:
             trees, nodes = chain_trees(trees, rows, ids[:, :, 0]), chain_p.shape[1]
-            odds = NodeOdds(chain_p, torch.ones_like(chain_p, dtype=torch.bool))
+            odds = NodeOdds(chain_p, np.ones_like(chain_p, dtype=bool))
         else:
             trees, nodes = cut_trees(trees, rows, choice.width - 1), choice.width - 1
-        self._pending_odds = {i: (odds.prob[j, :nodes], odds.main[j, :nodes]) for j, i in enumerate(rows)}
+        self._pending_odds = (rows, NodeOdds(odds.prob[:, :nodes], odds.main[:, :nodes]))
         return trees
 
     def _candidate_widths(self, built: int) -> list[int]:
@@ -516,12 +522,23 @@ class Engine:
         return (widths or [built]) + ([built] if built not in widths else [])
 
     def _calibrate(self, batch: list[_Request], accepted: Accepted) -> None:
-        """Accepted nodes of each policy row against what its tree's odds predicted."""
-        pending, self._pending_odds = self._pending_odds, {}
-        for i, (prob, main) in pending.items():
-            path = accepted.path[i, 1:int(accepted.length[i])].long() - 1  # accepted nodes, 0-based
-            hit_main = int(main[path].sum()) if len(path) else 0
-            parts = (hit_main, float(prob[main].sum()), len(path) - hit_main, float(prob[~main].sum()))
+        """Accepted nodes of each policy row against what its tree's odds predicted (whole-batch
+        array work: per-row tensor ops cost ~4 ms a step at concurrency 64 on the H200)."""
+        pending, self._pending_odds = self._pending_odds, None
+        if pending is None:
+            return
+        rows, odds = pending
+        paths = accepted.path.cpu().numpy()[rows].astype(np.int64)   # [R, D + 1] node indices, root first
+        length = accepted.length.cpu().numpy()[rows][:, None]
+        slot = np.arange(paths.shape[1])[None, :]
+        on_path = (slot >= 1) & (slot < length) & (paths >= 1) & (paths <= odds.prob.shape[1])
+        hit = np.zeros(odds.prob.shape, dtype=bool)
+        r, c = np.nonzero(on_path)
+        hit[r, paths[r, c] - 1] = True  # accepted nodes, 0-based
+        main_hit, side_hit = (hit & odds.main).sum(1), (hit & ~odds.main).sum(1)
+        main_odds, side_odds = (odds.prob * odds.main).sum(1), (odds.prob * ~odds.main).sum(1)
+        for j, i in enumerate(rows):
+            parts = (int(main_hit[j]), float(main_odds[j]), int(side_hit[j]), float(side_odds[j]))
             batch[i].calibration.update(*parts)
             self._calibration.update(*parts)
 
