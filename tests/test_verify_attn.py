@@ -259,6 +259,19 @@ def test_dispatcher_uses_kernel_on_cuda_and_reference_elsewhere(monkeypatch):
     assert calls == ([1] if CUDA else [])
 
 
+def test_kernel_support_decides_whether_the_verify_can_be_captured(monkeypatch):
+    """The verify graphs are captured only where a GPU kernel serves the model's attention dims
+    (ddtree.engine.target): the reference syncs, which a capture cannot take."""
+    from ddtree.kernels.dispatch import kernel_verify_supported
+
+    assert kernel_verify_supported(torch.bfloat16, 512, 64)        # DeepSeek-V3 / Kimi-K2
+    assert not kernel_verify_supported(torch.bfloat16, 16, 8)      # rope below 16: the reference
+    assert not kernel_verify_supported(torch.bfloat16, 48, 64)     # not a power of two
+    assert not kernel_verify_supported(torch.float32, 512, 64)
+    monkeypatch.setenv("DDTREE_VERIFY_ATTN", "torch")
+    assert not kernel_verify_supported(torch.bfloat16, 512, 64)
+
+
 @pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
 def test_kernels_in_a_fresh_process():
     # skipped in there: this test, and without a GPU the two GPU-shape cases of the wide launch

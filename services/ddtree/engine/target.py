@@ -19,6 +19,7 @@ import torch
 
 from ddtree.tree.structures import Trees
 from ddtree.engine.runner import GraphBuckets, VerifyGraphs
+from ddtree.kernels.dispatch import kernel_verify_supported
 from ddtree.models.sampling import SamplingParams, target_probs
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,13 @@ class LocalTarget:
         ctx = max_context or model.cfg.max_position_embeddings
         graphs = None
         if graph_buckets is not None and model.device.type == "cuda":  # followers: runner.follow_graphs
-            graphs = VerifyGraphs(model, graph_buckets, max_context=ctx)
+            cfg = model.cfg
+            if kernel_verify_supported(model.dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim):
+                graphs = VerifyGraphs(model, graph_buckets, max_context=ctx)
+            else:  # capturing would fail mid-graph and leave the CUDA context unusable
+                log.warning("verify attention at latent %d, rope %d (%s) has no GPU kernel: the torch reference "
+                            "syncs, so the verify runs eager (no CUDA graphs)", cfg.kv_lora_rank,
+                            cfg.qk_rope_head_dim, model.dtype)
         return cls(model, name=sources.name(path), max_context=ctx, graphs=graphs)
 
     # ---- TargetRunner ------------------------------------------------------------------------

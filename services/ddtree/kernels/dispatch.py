@@ -26,16 +26,23 @@ def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def triton_verify_supported(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor) -> bool:
-    """True for CUDA bf16/fp16 inputs with power-of-two latent/rope dims, unless
-    DDTREE_VERIFY_ATTN=torch asks for the reference."""
+def kernel_verify_supported(dtype: torch.dtype, latent_dim: int, rope_dim: int) -> bool:
+    """True where a model's verify attention (on CUDA) runs a GPU kernel, Triton or wgmma, for
+    this dtype and latent/rope dims: powers of two, bf16/fp16, Triton installed, and
+    DDTREE_VERIFY_ATTN not `torch`. Only then can a CUDA graph capture the verify: the torch
+    reference reads the batch's longest prefix on the host (a sync)."""
     return (os.environ.get("DDTREE_VERIFY_ATTN", "auto") != "torch"
-            and q_latent.is_cuda
-            and q_latent.dtype in (torch.bfloat16, torch.float16)
-            and q_rope.dtype == cache.dtype == q_latent.dtype
-            and kernel_dims_supported(q_latent.shape[-1], q_rope.shape[-1])
-            and cache.shape[-1] == q_latent.shape[-1] + q_rope.shape[-1]
+            and dtype in (torch.bfloat16, torch.float16)
+            and kernel_dims_supported(latent_dim, rope_dim)
             and _triton_available())
+
+
+def triton_verify_supported(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor) -> bool:
+    """kernel_verify_supported for these CUDA inputs, whose dtypes and cache width agree."""
+    return (q_latent.is_cuda
+            and q_rope.dtype == cache.dtype == q_latent.dtype
+            and cache.shape[-1] == q_latent.shape[-1] + q_rope.shape[-1]
+            and kernel_verify_supported(q_latent.dtype, q_latent.shape[-1], q_rope.shape[-1]))
 
 
 def wgmma_verify_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
