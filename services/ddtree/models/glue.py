@@ -88,8 +88,17 @@ class Glue:
 _FUNCTIONS = (rms_norm, add_rms_norm, mla_rope_latent, route_noaux_tc)
 
 
+# Each function is compiled once per guard class (dtype, tensor rank, eps, ...), and every model in
+# the process shares it: a target and its drafter, or a test process's many tiny models, passed
+# dynamo's default of 8 per function, which fullgraph=True turns into an error that stopped an
+# engine on the H200 (test_engine.py::test_cuda_engine_speculation_equals_ar).
+RECOMPILE_LIMIT = 64
+
+
 @functools.cache
 def _glue(compiled: bool) -> Glue:
+    if compiled:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     wrap = (lambda f: torch.compile(f, dynamic=True, fullgraph=True)) if compiled else (lambda f: f)
     return Glue(compiled, *(wrap(f) for f in _FUNCTIONS))
 
