@@ -179,6 +179,43 @@ def test_cache_pages_are_allocated_trimmed_and_bounded():
         cache.length(9)
 
 
+def test_batched_commit_moves_each_sequences_kept_rows_like_one_at_a_time():
+    """One commit over a batch (slot ids computed for all sequences at once) equals committing
+    each sequence alone: kept rows in order after its length, other sequences untouched, pages
+    trimmed; a keep past the reserved tail is refused before anything moves."""
+    gen = torch.Generator().manual_seed(5)
+
+    def filled():
+        cache = LatentKVCache(num_layers=2, latent_dim=2, num_pages=64, page_size=4, dtype=torch.float32,
+                              device="cpu")
+        for s, (length, tail) in enumerate([(0, 6), (5, 9), (3, 1), (8, 17)]):
+            cache.add_sequence(s)
+            cache.reserve([s], length + tail)
+            cache.advance(s, length)
+        cache.pages.copy_(torch.randn(cache.pages.shape, generator=gen))
+        return cache
+
+    keep = torch.tensor([[0, 3, 5, -1], [1, 2, 8, 4], [-1, -1, -1, -1], [0, 16, 7, -1]])
+    batched, single = filled(), filled()
+    single.pages.copy_(batched.pages)
+    flat = lambda c: c.pages.view(2, -1, 2)  # noqa: E731
+    lengths = [batched.length(s) for s in range(4)]
+    want = [flat(batched)[:, batched.slots([s], torch.tensor([[lengths[s] + k for k in keep[s].tolist() if k >= 0]]))[0]]
+            for s in range(4)]
+    assert batched.commit([0, 1, 2, 3], keep) == [3, 9, 3, 11]
+    for s in range(4):  # each kept row now follows the committed tokens, in keep order
+        n = want[s].shape[1]
+        got = flat(batched)[:, batched.slots([s], torch.arange(lengths[s], lengths[s] + n)[None])[0]]
+        assert torch.equal(got, want[s])
+    assert [single.commit([s], keep[s:s + 1])[0] for s in range(4)] == [3, 9, 3, 11]
+    assert torch.equal(batched.pages, single.pages)
+    assert [len(q.pages) for q in batched._seqs.values()] == [len(q.pages) for q in single._seqs.values()]
+    before = batched.pages.clone()
+    with pytest.raises(ValueError, match="beyond the reserved tail"):
+        batched.commit([0, 3], torch.tensor([[0, -1], [60, -1]]))
+    assert torch.equal(batched.pages, before) and batched.length(0) == 3
+
+
 def test_verify_rejects_malformed_trees(checkpoint):
     path, _ = checkpoint
     model = TargetModel.from_pretrained(path, dtype=torch.float32)

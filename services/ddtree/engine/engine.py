@@ -625,16 +625,19 @@ class Engine:
             log.error("tree build failed for step %d: %s; verifying the roots only", step_id, exc)
             parts.clear()
             whole = None
-        top = (spec_rows, top_lp, top_ids) if parts else None
+        if whole is None and not parts:  # all rows ar (or the build failed): one roots-only batch
+            return roots_only(len(batch)), None
+        top = (spec_rows, top_lp, top_ids)
         if whole is not None and len(spec_rows) == len(batch):  # one build, batch order: the usual case
             return whole, top
-        if not parts:  # all rows ar (or the build failed): one roots-only batch, no per-row padding
-            return roots_only(len(batch)), None
+        if whole is not None:  # one build of the speculative rows, ar rows between them
+            parts = {id(r): _row(whole, j) for j, r in enumerate(spec_rows)}
         rows = [parts.get(id(r)) or roots_only(1) for r in batch]
         return concat_trees(rows), top
 
     def _build_rows(self, step_id, spec_rows, top_lp, top_ids, parts) -> Trees | None:
-        """Builds per mode into `parts` (row id -> tree); returns the build when one covered all rows."""
+        """Builds per mode; returns the build when one covered all rows, else fills `parts` (row id
+        -> tree: five tensor views and a Trees a row, which the usual one-build step skips)."""
         whole = None
         if spec_rows:
             with self._component(S.TREE_BUILD, backend=self._tree_name()) as span, \
@@ -652,6 +655,7 @@ class Engine:
                     S.record_server_timing(span, getattr(self.tree, "last_timing", None))
                     if len(rows) == len(spec_rows):
                         whole = built
+                        continue
                     for j, i in enumerate(rows):
                         parts[id(spec_rows[i])] = _row(built, j)
         return whole

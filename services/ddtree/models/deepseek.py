@@ -374,10 +374,10 @@ class TargetModel(nn.Module):
         """
         self._need_cache()
         seq_ids = unique_seq_ids(seq_ids)
-        keep = keep.to(self.device, torch.int64)
+        keep = keep.to("cpu", torch.int64)  # the cache computes slots on the host: no device round trip
         if keep.dim() != 2 or keep.shape[0] != len(seq_ids):
             raise ValueError(f"keep must be [{len(seq_ids)}, K]; got {tuple(keep.shape)}")
-        self._announce("commit", lambda: [torch.tensor(seq_ids, device=self.device), keep])
+        self._announce("commit", lambda: [torch.tensor(seq_ids, device=self.device), keep.to(self.device)])
         return self.cache.commit(seq_ids, keep)
 
     def _forward_paged(self, seq_ids, tokens, positions, mask):
