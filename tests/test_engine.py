@@ -444,3 +444,47 @@ def test_cuda_engine_speculation_equals_ar(models):
         assert eng.fatal is None
     finally:
         eng.stop()
+
+
+class _CountingTimer:
+    """Stands in for the engine's GpuTimer (CUDA events) on any device: counts regions and flushes."""
+
+    enabled = True
+
+    def __init__(self):
+        self.regions, self.flushes = [], 0
+
+    def region(self, component, **_):
+        import contextlib
+
+        self.regions.append(component)
+        return contextlib.nullcontext()
+
+    def flush(self, tracer=None):
+        self.flushes += 1
+        return {}
+
+
+def test_gpu_events_are_recorded_only_in_traced_steps(models):
+    """An untraced step records no CUDA events and never waits on an anchor; a traced one brackets
+    the in-process draft, build, verify, accept and commit and flushes once per step."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    setup = ModelSetup(target=str(models[0]), drafter=str(models[1]), device="cpu")
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+    for tracer, traced in ((None, False), (provider.get_tracer("test"), True)):
+        eng = build_local_engine(setup, CONFIG, tracer=tracer)
+        eng.timer = timer = _CountingTimer()
+        eng.start()
+        try:
+            collect(eng.submit(spec(eng, [3, 1, 4], "ddtree", 8)))
+        finally:
+            eng.stop()
+        steps = eng._step_id
+        if traced:
+            assert timer.flushes == steps and {"draft", "tree_build", "verify", "accept", "commit"} <= set(timer.regions)
+        else:
+            assert timer.regions == [] and timer.flushes == 0
