@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="runs per level and stack; the median is kept (default 1)")
     p.add_argument("--up-arg", action="append", default=[], help="extra `ddtree up` argument (repeatable)")
     p.add_argument("--verify-arg", action="append", default=[], help="extra `serve verify` argument, both stacks")
-    p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--start-timeout", type=float, default=900.0, help="seconds a stack may take to start (default 900)")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = args.modes.split(",")
@@ -109,10 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     stacks = {}
 
     def start(stack: str):
-        ns = argparse.Namespace(stack=stack, target=args.target, drafter=args.drafter, up_arg=["--no-http", *args.up_arg],
+        ns = argparse.Namespace(stack=stack, target=args.target, drafter=args.drafter,
+                                up_arg=["--no-http", *args.up_arg],  # the benchmark speaks gRPC only
                                 verify_arg=[*args.verify_arg, f"--metrics-port={ports[stack]}"],
                                 start_timeout=args.start_timeout)
-        stacks[stack] = start_stack(ns, {"OTEL_TRACES_SAMPLER": "always_off"}, Path(args.out).with_suffix(f".{stack}.log"))
+        log = Path(args.out).with_suffix(f".{stack}.log")
+        stacks[stack] = start_stack(ns, {"OTEL_TRACES_SAMPLER": "always_off"}, log)
         print(f"{stack} stack up at {stacks[stack][1]}", flush=True)
 
     try:

@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in (int(s) for s in args.streams.split(",")):
         for kind in ("sync", "aio"):
             wall, emit = run_level(kind, n, args.steps, iters)
-            lines.append(f"{kind:<7}{n:>8}{wall:>9.2f}{wall - alone:>10.2f}{(wall - alone) * 1e3 / n:>10.1f}{emit:>9.3f}")
+            growth = wall - alone
+            lines.append(f"{kind:<7}{n:>8}{wall:>9.2f}{growth:>10.2f}{growth * 1e3 / n:>10.1f}{emit:>9.3f}")
             print(lines[-1], flush=True)
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
