@@ -101,7 +101,7 @@ def test_verify_drains_running_streams_then_ends_the_rest_and_exits(tmp_path, su
 
 
 def test_treebuild_with_open_step_streams_exits_promptly(subprocess_env):
-    from ddtree.engine.remote import connect_treebuild
+    from ddtree.verify.peers import connect_treebuild
     from ddtree.transport import Transport, TransportConfig
     from ddtree.tree.samples import random_topk
 

@@ -19,7 +19,8 @@ import torch
 from opentelemetry import trace
 
 from ddtree.engine.backends import PeerUnavailable
-from ddtree.engine.remote import RemoteTree, traced_channel, wait_serving
+from ddtree.treebuild.client import RemoteTree
+from ddtree.verify.peers import traced_channel, wait_serving
 from ddtree.serving import GrpcServer, ServerConfig
 from ddtree.step_stream import StepStream, serve_each
 from ddtree.transport import Transport, TransportConfig

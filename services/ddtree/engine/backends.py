@@ -1,9 +1,10 @@
 """What the step loop drives: the target, the drafter and the tree builder, behind small protocols.
 
 Each protocol has an in-process implementation (here and in ddtree.engine.target) and a remote
-one over gRPC + the tensor transport (ddtree.engine.remote). The engine never knows which one it
-holds; a remote peer that fails raises `PeerUnavailable`, and the engine degrades (tree build in
-process, or ar) instead of failing requests.
+one over gRPC + the tensor transport (ddtree.drafter.client, ddtree.treebuild.client, wired by
+the verify service: ddtree.verify.peers). The engine never knows which one it holds; a remote
+peer that fails raises `PeerUnavailable`, and the engine degrades (tree build in process, or ar)
+instead of failing requests.
 """
 from __future__ import annotations
 

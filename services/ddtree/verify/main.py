@@ -228,7 +228,7 @@ def serve(args, provider, log: logging.Logger) -> int:
 
     drafter = tree = transport = None
     if args.drafter_endpoint or args.treebuild_endpoint:
-        from ddtree.engine.remote import connect_drafter, connect_treebuild, verify_transport
+        from ddtree.verify.peers import connect_drafter, connect_treebuild, verify_transport
 
         transport = verify_transport(target)
         if args.drafter_endpoint:
