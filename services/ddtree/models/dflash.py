@@ -32,8 +32,8 @@ from ddtree.models.rope import rope_inv_freq
 
 log = logging.getLogger(__name__)
 
-# Start of the error for a request the cache does not know (released, or the drafter restarted):
-# clients match it to tell "context lost" from other bad input.
+# Start of UnknownRequest's message (the type is what callers test: the drafter service maps it to
+# NOT_FOUND, which its client raises as DrafterContextLost).
 UNKNOWN_REQUEST = "unknown request id"
 
 
