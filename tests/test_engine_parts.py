@@ -158,7 +158,7 @@ def test_a_huge_temperature_samples_uniformly_and_bad_logits_raise():
 
 def test_defaults_are_filled_in():
     spec = validate_request([1, 2], limits=LIMITS, mode="chain")
-    assert spec.sampling.max_tokens == 8 and spec.sampling.top_p == 1.0 and spec.sampling.greedy
+    assert spec.sampling.max_tokens == 8 and spec.sampling.params.top_p == 1.0 and spec.sampling.greedy
     assert spec.mode is Mode.CHAIN and spec.budget == 0
     assert validate_request([1], limits=LIMITS, mode="").mode is None
 

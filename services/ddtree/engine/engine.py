@@ -259,13 +259,13 @@ class Engine:
         rid = f"r{next(self._ids)}"
         span = S.start_request_span(
             self.tracer, model=self.target.name, prompt_tokens=len(spec.prompt_ids),
-            max_tokens=spec.sampling.max_tokens, temperature=spec.sampling.temperature, top_p=spec.sampling.top_p,
+            max_tokens=spec.sampling.max_tokens, temperature=spec.sampling.params.temperature,
+            top_p=spec.sampling.params.top_p,
             seed=spec.sampling.seed, mode=mode.value, budget=spec.budget, request_id=spec.client_request_id,
             parent=parent_span)
         req = _Request(
             id=rid, seq_id=int(rid[1:]), spec=spec, mode=mode,
-            sampler=(SamplingParams(temperature=spec.sampling.temperature, top_k=spec.sampling.top_k,
-                                    top_p=spec.sampling.top_p), seed),
+            sampler=(spec.sampling.params, seed),
             stop=StopChecker(spec.sampling, self.tokenizer.decoder(), eos_token_ids=self.target.eos_token_ids,
                              max_new_tokens=max_new),
             arrival=time.monotonic(), span=span, server_choice=spec.mode is None,

@@ -10,6 +10,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from ddtree.models.sampling import GREEDY, SamplingParams
+
 
 class InvalidRequest(ValueError):
     """A request the engine refuses to run; the message says which field and why."""
@@ -46,10 +48,11 @@ class Limits:
 
 @dataclass(frozen=True)
 class SamplingOptions:
+    """What a request asks of generation: the sampling distribution (the one SamplingParams type
+    the model's sampler takes), its seed, and when to stop."""
+
     max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    params: SamplingParams = GREEDY
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
@@ -57,7 +60,7 @@ class SamplingOptions:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.params.greedy
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,7 @@ def validate_request(prompt_ids, *, limits: Limits, max_tokens: int | None = Non
         raise InvalidRequest(f"seed must be in [0, 2^64), got {seed}")
     return RequestSpec(
         prompt_ids=prompt,
-        sampling=SamplingOptions(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                                 top_k=int(top_k), seed=seed, stop_token_ids=stops, stop_strings=strings,
-                                 ignore_eos=bool(ignore_eos)),
+        sampling=SamplingOptions(max_tokens=max_tokens, params=SamplingParams(
+            temperature=float(temperature), top_k=int(top_k), top_p=float(top_p)), seed=seed,
+            stop_token_ids=stops, stop_strings=strings, ignore_eos=bool(ignore_eos)),
         mode=mode, budget=int(budget), client_request_id=client_request_id, deadline=deadline)
