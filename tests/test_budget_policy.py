@@ -9,8 +9,8 @@ import torch
 from ddtree import tree
 from ddtree.engine.backends import LocalTree, chain_trees, cut_trees, on_host
 from ddtree.engine import budget
-from ddtree.engine.budget import (Calibration, NodeOdds, VerifyCosts, chain_odds, choose_width, expected_tokens,
-                                  node_odds)
+from ddtree.engine.budget import (BudgetPolicy, Calibration, NodeOdds, VerifyCosts, chain_odds, choose_width,
+                                  expected_tokens, node_odds)
 from ddtree.tree.reference import ancestor_mask, build_tree
 
 
@@ -195,7 +195,6 @@ def test_the_engine_cuts_trees_by_the_policy_and_survives_its_failure(tmp_path):
     leaves the step's trees as built and the output unchanged."""
     from test_engine_common import ar_reference, make_pair
 
-    from ddtree.engine.budget import BudgetPolicy
     from ddtree.engine.engine import EngineConfig, Usage
     from ddtree.engine.loader import ModelSetup, build_local_engine
     from ddtree.engine.request import validate_request
@@ -222,5 +221,43 @@ def test_the_engine_cuts_trees_by_the_policy_and_survives_its_failure(tmp_path):
             raise RuntimeError("policy bug")
         engine._choose_width = broken
         assert run() == want and engine.fatal is None
+    finally:
+        engine.stop()
+
+
+def test_the_cost_cap_builds_wide_trees_only_where_the_verify_costs_the_same(tmp_path):
+    """--budget-cap cost: flat verify costs let a batch of 16 build trees up to max_budget, where
+    the 256-token share would give it 8 nodes; costs that grow with the width keep the trees near
+    the chain's width; the engine's output stays the target's own (greedy)."""
+    from test_engine_common import ar_reference, make_pair
+
+    from ddtree.engine.engine import EngineConfig, Usage
+    from ddtree.engine.loader import ModelSetup, build_local_engine
+    from ddtree.engine.request import validate_request
+    from ddtree.engine.scheduler import SchedulerConfig
+
+    target, drafter = make_pair(tmp_path)
+    policy = BudgetPolicy(tokens_per_step=256, min_budget=4, max_budget=32, cap_from_costs=True)
+    cfg = EngineConfig(scheduler=SchedulerConfig(max_running=4, max_queue=16, num_pages=128, page_size=8),
+                       budget=policy, max_tokens_limit=64)
+    engine = build_local_engine(ModelSetup(target=str(target), drafter=str(drafter), device="cpu"), cfg)
+    chain = engine._draft_len() + 1
+    widths = engine._candidate_widths(policy.max_budget + 1)
+    assert policy.budget(16) == 8 and widths[-1] == 33
+    engine.costs = VerifyCosts()
+    engine.costs.seed({(16, w): 2.0 for w in widths + [chain]})
+    assert engine._cost_cap(16) == policy.max_budget
+    engine.costs = VerifyCosts()
+    engine.costs.seed({(16, w): 1.0 + 0.1 * w for w in widths + [chain]})
+    cap = engine._cost_cap(16)
+    assert chain - 1 <= cap < policy.max_budget
+    assert 1.0 + 0.1 * (cap + 1) <= 1.1 * (1.0 + 0.1 * chain)
+    engine.start()
+    try:
+        prompt = [5, 3, 9, 1]
+        spec = validate_request(prompt, limits=engine.limits, max_tokens=12, ignore_eos=True, mode="ddtree",
+                                available_modes=engine.modes)
+        tokens = [t for e in engine.submit(spec) if not isinstance(e, Usage) for t in e.token_ids]
+        assert tokens == ar_reference(target, prompt, 12)
     finally:
         engine.stop()

@@ -29,6 +29,7 @@ def all_parsers():
 def test_every_option_shows_its_default():
     missing = []
     for name, parser in all_parsers():
+        parser.format_help()  # every help string formats (a bare "%" in one crashed `--help`)
         formatter = parser._get_formatter()
         assert isinstance(formatter, DefaultsHelpFormatter), f"{name}: {type(formatter).__name__}"
         for action in parser._actions:

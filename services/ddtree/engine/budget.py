@@ -42,6 +42,12 @@ class BudgetPolicy:
     ar_below_acceptance: float = 1.3
     ar_after_steps: int = 8
     cost_aware: bool = True
+    # With cost_aware: build policy trees up to the widest verify width whose predicted cost stays
+    # within cap_slack of the chain's, instead of the tokens_per_step share (off by default until
+    # the H200 run says it pays: at concurrency 64 the share leaves 4-node trees while the verify
+    # costs the same at 16 rows; benchmarks/results/h200/ddtree_vs_chain.txt).
+    cap_from_costs: bool = False
+    cap_slack: float = 0.1
 
     def __post_init__(self):
         if not 1 <= self.min_budget <= self.max_budget:

@@ -438,8 +438,19 @@ class Engine:
                 self._to_ar(r)
         tree_rows = sum(r.mode is Mode.DDTREE for r in batch)
         other = sum(1 + self._draft_len() if r.mode is Mode.CHAIN else 1 for r in batch if r.mode is not Mode.DDTREE)
+        cap = self._cost_cap(len(batch)) if tree_rows and policy.cost_aware and policy.cap_from_costs else 0
         for r in batch:
             r.budget = policy.budget(tree_rows, r.spec.budget, other) if r.mode is Mode.DDTREE else 0
+            if r.mode is Mode.DDTREE and r.spec.budget <= 0:
+                r.budget = max(r.budget, cap)
+
+    def _cost_cap(self, batch_size: int) -> int:
+        """Nodes a policy tree may be built to by the cost table: the widest candidate verify width
+        whose predicted cost is within cap_slack of the chain's (the choice then cuts to the best)."""
+        policy = self.config.budget
+        base = self.costs.predict(batch_size, self._draft_len() + 1) * (1 + policy.cap_slack)
+        fits = [w for w in self._candidate_widths(policy.max_budget + 1) if self.costs.predict(batch_size, w) <= base]
+        return min(max(fits, default=1) - 1, policy.max_budget)
 
     def _gpu_region(self, component: str, backend=None):
         """CUDA events around in-process launches (the verify's own, or an in-process backend's:

@@ -97,6 +97,10 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
                         "drafter's calibrated odds against verify costs measured per shape; the chain is always a "
                         "candidate), within the --tokens-per-step cap; share: every tree gets the cap "
                         "(default cost)")
+    s.add_argument("--budget-cap", choices=("tokens", "cost"), default="tokens",
+                   help="with --budget-policy cost, what bounds the trees built before the choice: tokens: the "
+                        "--tokens-per-step share; cost: the widest width the measured verify costs price within "
+                        f"{BudgetPolicy.cap_slack * 100:g}%% of the chain's (default tokens)")
     s.add_argument("--min-budget", type=int, default=4, help="budget policy: smallest per-request budget")
     s.add_argument("--max-budget", type=int, default=256, help="largest tree budget (policy and clients)")
     s.add_argument("--ar-below-acceptance", type=float, default=BudgetPolicy.ar_below_acceptance,
@@ -140,7 +144,7 @@ def engine_config(args, device: str = "cpu"):
                                              else args.tokens_per_step),
                             min_budget=min(args.min_budget, args.max_budget),
                             max_budget=args.max_budget, ar_below_acceptance=args.ar_below_acceptance,
-                            cost_aware=args.budget_policy == "cost"),
+                            cost_aware=args.budget_policy == "cost", cap_from_costs=args.budget_cap == "cost"),
         max_tokens_limit=args.max_tokens_limit, default_max_tokens=min(args.default_max_tokens, args.max_tokens_limit),
         max_top_k=args.max_top_k, reattach_after_s=args.reattach_after_s,
         prefill_tokens_per_step=(default_prefill_tokens_per_step(device) if args.prefill_tokens_per_step is None
