@@ -48,7 +48,7 @@ import grpc
 import numpy as np
 import torch
 
-from ddtree.grpc_options import channel_options
+from ddtree.rpc.options import channel_options
 from ddtree.transport import (DEFERRED_READ, INLINE, RESOLVE_ONLY, PeerLink, Transport, TransportConfig, checksum,
                               fastpath)
 from ddtree.transport.service import _SumRing

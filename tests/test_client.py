@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from ddtree.serving import GrpcServer, ServerConfig
+from ddtree.rpc.server import GrpcServer, ServerConfig
 from ddtree.v1 import generation_pb2, generation_pb2_grpc
 from ddtree_client import cli
 from ddtree_client.generate import Chunk, GenerateOptions, RequestRecord, build_request

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from test_verify_service import Service, service_env  # noqa: E402
 
 from ddtree.demo import bundled_pair, prompt_ids  # noqa: E402
-from ddtree.health import wait_until_http_ok  # noqa: E402
+from ddtree.rpc.health import wait_until_http_ok  # noqa: E402
 from ddtree.waiting import wait_until  # noqa: E402
 from ddtree.http.chat_template import BYTE_LEVEL_TEMPLATE, ChatTemplate  # noqa: E402
 from ddtree.http.errors import APIError, from_grpc  # noqa: E402

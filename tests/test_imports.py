@@ -8,7 +8,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "services" / "ddtree"
 SERVICES = ("ddtree.drafter", "ddtree.treebuild", "ddtree.verify", "ddtree.http", "ddtree.up", "ddtree.cli",
-            "ddtree.demo", "ddtree.serving")
+            "ddtree.demo", "ddtree.rpc.server")
 
 
 def _modules() -> dict[str, Path]:

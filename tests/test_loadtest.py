@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ddtree.grpc_options import channel_options
+from ddtree.rpc.options import channel_options
 from ddtree.telemetry import TracingClientInterceptor
 from ddtree.telemetry import spans as S
 from ddtree.telemetry import trace_report as R

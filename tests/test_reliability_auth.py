@@ -24,7 +24,7 @@ from test_engine_common import make_pair
 from test_up import Up
 from test_verify_service import service_env
 
-from ddtree.grpc_options import channel_options
+from ddtree.rpc.options import channel_options
 from ddtree.transport import PeerLink, Transport, TransportConfig, checksum, host_id
 from ddtree.up import free_port, transport_token
 from ddtree.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2 as pb, generation_pb2_grpc

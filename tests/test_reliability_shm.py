@@ -23,7 +23,7 @@ import grpc
 import pytest
 import torch
 
-from ddtree.grpc_options import channel_options
+from ddtree.rpc.options import channel_options
 from ddtree.transport import SHM, BadRegionHandle, PeerLink, Transport, TransportConfig, align, host_id
 from ddtree.tree import build_trees
 from ddtree.tree.samples import random_topk

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ddtree.engine.backends import DraftItem
-from ddtree.grpc_options import channel_options
+from ddtree.rpc.options import channel_options
 from ddtree.transport import Transport, TransportConfig, align
 from ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 

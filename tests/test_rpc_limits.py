@@ -1,4 +1,4 @@
-"""ddtree.rpc_limits.RpcLimits over a real grpc server, for each of the four kinds of handler:
+"""ddtree.rpc.limits.RpcLimits over a real grpc server, for each of the four kinds of handler:
 the reply passes through, the RPC is counted while its handler runs and released after (also when
 the handler raises or the caller cancels), and an RPC over the limit is refused at once."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from ddtree.rpc_limits import PEER_METADATA_KEY, RpcLimits
+from ddtree.rpc.limits import PEER_METADATA_KEY, RpcLimits
 from ddtree.waiting import wait_until
 
 KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")

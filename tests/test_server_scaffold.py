@@ -11,8 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ddtree.grpc_options import channel_options
-from ddtree.serving import BindError, GrpcServer, ServerConfig
+from ddtree.rpc.options import channel_options
+from ddtree.rpc.server import BindError, GrpcServer, ServerConfig
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -61,7 +61,7 @@ SERVER_SCRIPT = textwrap.dedent(
     """
     import sys, time
     from ddtree.logs import setup_logging
-    from ddtree.serving import GrpcServer, ServerConfig
+    from ddtree.rpc.server import GrpcServer, ServerConfig
     from ddtree.telemetry import setup_tracing
 
     setup_logging("scaffold")

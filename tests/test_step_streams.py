@@ -1,4 +1,4 @@
-"""Per-step RPCs over one long-lived bidi stream per peer (ddtree.step_stream): RemoteTree over a
+"""Per-step RPCs over one long-lived bidi stream per peer (ddtree.rpc.step_stream): RemoteTree over a
 real tree-build sidecar process gives the library's trees and accept results over the stream and
 over unary calls alike; a refused message is a ValueError and the next call works (a new stream);
 a killed sidecar is PeerUnavailable and re-attach works once it is back; a reply that never comes
@@ -21,8 +21,8 @@ from opentelemetry import trace
 from ddtree.engine.backends import PeerUnavailable
 from ddtree.treebuild.client import RemoteTree
 from ddtree.verify.peers import traced_channel, wait_serving
-from ddtree.serving import GrpcServer, ServerConfig
-from ddtree.step_stream import StepStream, serve_each
+from ddtree.rpc.server import GrpcServer, ServerConfig
+from ddtree.rpc.step_stream import StepStream, serve_each
 from ddtree.transport import Transport, TransportConfig
 from ddtree.tree import accept, build_trees
 from ddtree.tree.samples import random_topk

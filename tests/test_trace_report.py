@@ -25,8 +25,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan, SpanKind
 
-from ddtree.grpc_options import channel_options
-from ddtree.serving import GrpcServer, ServerConfig
+from ddtree.rpc.options import channel_options
+from ddtree.rpc.server import GrpcServer, ServerConfig
 from ddtree.telemetry import TracingClientInterceptor
 from ddtree.telemetry import spans as S
 from ddtree.telemetry import trace_report as R

@@ -10,8 +10,8 @@ import grpc
 import pytest
 from opentelemetry import trace
 
-from ddtree.grpc_options import channel_options
-from ddtree.serving import GrpcServer, ServerConfig
+from ddtree.rpc.options import channel_options
+from ddtree.rpc.server import GrpcServer, ServerConfig
 from ddtree.telemetry import TracingClientInterceptor, setup_tracing, shutdown_tracing
 from otlp_receiver import OtlpReceiver
 

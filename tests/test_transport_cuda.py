@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from ddtree.grpc_options import channel_options
+from ddtree.rpc.options import channel_options
 from ddtree.transport import CUDA_IPC, DEFERRED_READ, PeerLink, Transport, TransportConfig, checksum
 from ddtree.v1 import transport_pb2
 

@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from ddtree.grpc_options import channel_options
+from ddtree.rpc.options import channel_options
 from ddtree.transport import DEFERRED_READ, RESOLVE_ONLY, SHM, PeerLink, Transport, TransportConfig, checksum
 from ddtree.v1 import tensor_pb2, transport_pb2
 
@@ -307,7 +307,7 @@ def test_every_bad_descriptor_gets_invalid_argument_and_the_server_keeps_serving
 
 CHILD = textwrap.dedent("""
     import os, sys, grpc, torch
-    from ddtree.grpc_options import channel_options
+    from ddtree.rpc.options import channel_options
     from ddtree.transport import PeerLink, Transport, TransportConfig
     t = Transport(TransportConfig(peer_id="doomed", kind="shm", token="tok"))
     t.create_region("doomed/extra", 2, 1 << 16)

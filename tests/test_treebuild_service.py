@@ -15,7 +15,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ddtree.grpc_options import channel_options
+from ddtree.rpc.options import channel_options
 from ddtree.transport import PeerLink, Transport, TransportConfig, align
 from ddtree.tree import accept, build_trees
 from ddtree.tree.samples import random_topk

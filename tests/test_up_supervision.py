@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ddtree.serving import GrpcServer, ServerConfig
+from ddtree.rpc.server import GrpcServer, ServerConfig
 from ddtree.supervise import RestartPolicy, Supervisor, stop_all
 from ddtree.up import Child, wait_serving
 from ddtree.waiting import wait_until

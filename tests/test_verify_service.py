@@ -22,8 +22,8 @@ from test_engine_common import VOCAB, make_pair
 from test_wire_limits import varint
 
 from ddtree.engine.request import Limits
-from ddtree.grpc_options import open_channel
-from ddtree.health import wait_until_serving
+from ddtree.rpc.options import open_channel
+from ddtree.rpc.health import wait_until_serving
 from ddtree.v1 import generation_pb2 as pb
 from ddtree.v1 import generation_pb2_grpc
 from ddtree.verify.wire_limits import GENERATE, GenerateWireLimits

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import grpc
 
-from ddtree import grpc_options
+from ddtree.rpc import options as grpc_options
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 

@@ -274,7 +274,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
 def wait_serving(child: Child, timeout_s: float) -> None:
     """Waits for the child's health service to say SERVING (the HTTP API: /health to answer 200);
     raises if it exits or time runs out."""
-    from ddtree.health import EXITED, wait_until_http_ok, wait_until_serving
+    from ddtree.rpc.health import EXITED, wait_until_http_ok, wait_until_serving
 
     host, port = child.endpoint.removeprefix("http://").rsplit(":", 1)
     target = f"{loopback(host)}:{port}"

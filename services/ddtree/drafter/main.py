@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 import os
 
-from ddtree.serving import GrpcServer, ServerConfig, add_peer_server_arguments, serve_until_stopped
+from ddtree.rpc.server import GrpcServer, ServerConfig, add_peer_server_arguments, serve_until_stopped
 
 
 def add_serve_parser(serve_subparsers) -> argparse.ArgumentParser:

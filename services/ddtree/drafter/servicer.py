@@ -24,7 +24,7 @@ import torch
 from opentelemetry import trace
 
 from ddtree.models.dflash import ContextCacheFull, DFlashDrafter, DrafterContextCache, UnknownRequest
-from ddtree.step_stream import serve_each
+from ddtree.rpc.step_stream import serve_each
 from ddtree.telemetry.spans import DRAFT, SERVER_GPU_MS, GpuTimer
 from ddtree.transport import Transport, TransportError, align, attach, serve_peer
 from ddtree.v1 import drafter_pb2, drafter_pb2_grpc, tensor_pb2

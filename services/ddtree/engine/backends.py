@@ -65,10 +65,10 @@ class RemotePeer:
     def _step_rpc(self, unary, stream, span_name: str):
         """A per-step RPC as `request -> reply`: each call its own unary RPC, or ("stream", the
         default) messages of one long-lived bidi stream, opened lazily and reopened after a failure
-        (ddtree.step_stream). Either way failures are grpc.RpcErrors for `_call` to map."""
+        (ddtree.rpc.step_stream). Either way failures are grpc.RpcErrors for `_call` to map."""
         if self.rpc_style == "unary":
             return functools.partial(unary, timeout=self.timeout_s, metadata=self.link.metadata)
-        from ddtree.step_stream import StepStream
+        from ddtree.rpc.step_stream import StepStream
 
         step_stream = StepStream(stream, self.link.metadata, self.timeout_s, span_name=span_name,
                                  stream_name=span_name + "Stream")

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace, log) -> int:
     import uvicorn
 
-    from ddtree.health import wait_until_serving
+    from ddtree.rpc.health import wait_until_serving
     from ddtree.http.app import HttpConfig, create_app
     from ddtree.http.metrics import Metrics
     from ddtree.http.prompts import Prompts

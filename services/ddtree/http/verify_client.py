@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ddtree.grpc_options import open_channel
+from ddtree.rpc.options import open_channel
 from ddtree.v1 import generation_pb2 as pb
 from ddtree.v1 import generation_pb2_grpc
 

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ddtree.logs import setup_logging
-    from ddtree.serving import GrpcServer, ServerConfig
+    from ddtree.rpc.server import GrpcServer, ServerConfig
     from ddtree.telemetry import setup_tracing
     from ddtree.transport import Transport, TransportConfig, TransportUnavailable, add_transport_service, kind_name
 

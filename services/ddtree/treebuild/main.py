@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 import os
 
-from ddtree.serving import add_peer_server_arguments
+from ddtree.rpc.server import add_peer_server_arguments
 
 def add_serve_parser(serve_subparsers) -> argparse.ArgumentParser:
     p = serve_subparsers.add_parser(
@@ -30,7 +30,7 @@ def build_server(args: argparse.Namespace, tracer_provider=None):
     """Self-tests the transport and returns (server, servicer, transport), not started."""
     import torch
 
-    from ddtree.serving import GrpcServer, ServerConfig
+    from ddtree.rpc.server import GrpcServer, ServerConfig
     from ddtree.transport import Transport, TransportConfig, add_transport_service
     from ddtree.treebuild.servicer import TreeBuilderServicer, TreeBuildLimits
     from ddtree.v1 import treebuild_pb2_grpc
@@ -57,7 +57,7 @@ def build_server(args: argparse.Namespace, tracer_provider=None):
 
 def run(args: argparse.Namespace) -> int:
     from ddtree.logs import setup_logging
-    from ddtree.serving import serve_until_stopped
+    from ddtree.rpc.server import serve_until_stopped
     from ddtree.telemetry import setup_tracing
 
     setup_logging("treebuild")

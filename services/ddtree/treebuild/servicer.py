@@ -24,7 +24,7 @@ import grpc
 import torch
 from opentelemetry import trace
 
-from ddtree.step_stream import serve_each
+from ddtree.rpc.step_stream import serve_each
 from ddtree.telemetry.spans import ACCEPT, SERVER_GPU_MS, TREE_BUILD, GpuTimer
 from ddtree.transport import Region, Transport, TransportError, align, attach, serve_peer
 from ddtree.transport.region import check_ref

@@ -181,7 +181,7 @@ def serve(args, provider, log: logging.Logger) -> int:
     import torch.distributed as dist
 
     from ddtree.engine.loader import ModelSetup, build_local_engine, feature_layers, load_target, resolve_device
-    from ddtree.serving import GrpcServer, ServerConfig
+    from ddtree.rpc.server import GrpcServer, ServerConfig
     from ddtree.v1 import generation_pb2_grpc
     from ddtree.verify.ranks import RankArgs, RankSupervisor, free_port, init_distributed, rank_device
     from ddtree.verify.servicer import GenerationServicer

@@ -14,8 +14,8 @@ import os
 import grpc
 
 from ddtree.drafter.client import RemoteDrafter
-from ddtree.grpc_options import channel_options
-from ddtree.health import wait_until_serving
+from ddtree.rpc.options import channel_options
+from ddtree.rpc.health import wait_until_serving
 from ddtree.models import sources
 from ddtree.telemetry import TracingClientInterceptor
 from ddtree.transport import Transport, TransportConfig

@@ -4,7 +4,7 @@ The servicer's caps (ddtree.engine.request: stop strings, stop token ids, the pr
 context) run on the parsed message, and parsing is what costs: a request with 200,000 stop strings
 (600 KB on the wire) became 200,000 strings in upb's arena, left 0.3-1 MiB of C heap behind in the
 verify process each time, and grew it by 9% over an 8-minute soak. `GenerateWireLimits` is the
-verify server's request check (ddtree.request_decoding runs it on the bytes, before the
+verify server's request check (ddtree.rpc.decoding runs it on the bytes, before the
 deserializer), in three layers:
 
 - `max_bytes`, the largest legal GenerateRequest of this server, derived from its limits: a prompt

@@ -4,7 +4,7 @@ round trip on an open stream costs 0.33 ms against 0.81 ms for a unary call).
 Server side, `serve_each(unary, requests, context, ...)` answers every message with the unary
 handler, so the stream and the unary RPC share one code path; a message the handler refuses aborts
 the stream with that handler's status and message (gRPC has no per-message status). The server
-scaffold (ddtree.rpc_limits) bounds open streams per peer, cancels idle ones and ends them all
+scaffold (ddtree.rpc.limits) bounds open streams per peer, cancels idle ones and ends them all
 when the server stops.
 
 Client side, `StepStream(method, ...)` is a unary-looking `call(request) -> reply`: the stream is

@@ -9,7 +9,7 @@ so unary calls and health checks queued until they timed out. `RpcLimits` bounds
 - at most `per_peer` of them per calling peer (the `ddtree-peer-id` call metadata; callers
   without one share one allowance), so one peer cannot take the others' share;
 - a request stream that waits longer than `idle_s` for its next message is cancelled (its caller
-  opens a new one when it needs it: ddtree.step_stream.StepStream does so by itself).
+  opens a new one when it needs it: ddtree.rpc.step_stream.StepStream does so by itself).
 
 An RPC over a limit is answered RESOURCE_EXHAUSTED at once, naming the limit. `end()` (the server
 is stopping) refuses new RPCs with UNAVAILABLE, cancels the request streams waiting for a message,

@@ -2,9 +2,9 @@
 
 Health (NOT_SERVING until the component says it is ready), reflection, raised message limits
 (a lower receive limit and per-method checks of the request bytes where a service knows what a
-legal request can be: ddtree.request_decoding), so_reuseport off, a checked bind (port 0
+legal request can be: ddtree.rpc.decoding), so_reuseport off, a checked bind (port 0
 allowed; the real port is reported), tracing interceptor, bounded use of the handler pool
-(ddtree.rpc_limits: health always answers), and SIGTERM/SIGINT -> graceful stop within a grace
+(ddtree.rpc.limits: health always answers), and SIGTERM/SIGINT -> graceful stop within a grace
 period -> tracer flush.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ddtree.grpc_options import MAX_MESSAGE_BYTES, server_options
-from ddtree.request_decoding import DecodeErrorInterceptor, RequestCheck
-from ddtree.rpc_limits import HEALTH_THREADS, RpcLimits
+from ddtree.rpc.options import MAX_MESSAGE_BYTES, server_options
+from ddtree.rpc.decoding import DecodeErrorInterceptor, RequestCheck
+from ddtree.rpc.limits import HEALTH_THREADS, RpcLimits
 from ddtree.telemetry import TracingServerInterceptor, shutdown_tracing
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ def wait_until_serving(target: str, timeout_s: float, *, check_timeout_s: float 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from ddtree.grpc_options import open_channel
+    from ddtree.rpc.options import open_channel
 
     deadline = time.monotonic() + timeout_s
     with open_channel(target, tls_ca) as channel:
