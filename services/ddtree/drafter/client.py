@@ -17,7 +17,8 @@ from typing import Sequence
 import grpc
 import torch
 
-from ddtree.engine.backends import DraftItem, PeerUnavailable, RemotePeer, check_rpc_style
+from ddtree.engine.backends import DraftItem, PeerUnavailable
+from ddtree.rpc.peer import RemotePeer, check_rpc_style
 from ddtree.transport import PeerLink, Transport, align
 from ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 

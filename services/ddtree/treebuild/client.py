@@ -5,7 +5,8 @@ from __future__ import annotations
 import grpc
 import torch
 
-from ddtree.engine.backends import FIELDS, PeerUnavailable, RemotePeer, check_rpc_style
+from ddtree.engine.backends import FIELDS, PeerUnavailable
+from ddtree.rpc.peer import RemotePeer, check_rpc_style
 from ddtree.transport import PeerLink, TransportError, align
 from ddtree.tree.structures import Accepted, Trees
 from ddtree.v1 import treebuild_pb2, treebuild_pb2_grpc
