@@ -8,7 +8,7 @@ they saved at most 0.4-2.6 us a layer call against this dispatcher's Gluon kerne
 mission's scale all of a step's attention is 0.38 ms of a 9.9 ms Kimi-K2 TP8-rank verify (61 calls;
 benchmarks/results/h200/kimi_rank_fused.txt): at most ~0.6% of the step, under the 1% a second
 implementation must earn. Their code and measurements are in git history (commit 8a647a7,
-csrc/attn/, docs/verify_attention_log.md)."""
+csrc/attn/, docs/verify_attention_log.md, which left docs/ after 2433e98)."""
 from __future__ import annotations
 
 import functools
@@ -50,7 +50,7 @@ def wgmma_verify_wanted(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: tor
     """For inputs the Triton kernel takes: True where the wgmma kernel serves them (sm_90, C 512,
     R 64, a TMA-readable cache) and DDTREE_VERIFY_ATTN is not `triton`. Decode and small trees
     included: on the H200 it beat the Triton kernel on every decode shape swept (B 1-64, h 8/16,
-    1k-32k: 0.56-0.96x its time under graph replay; docs/verify_attention_log.md)."""
+    1k-32k: 0.56-0.96x its time under graph replay; git show 2433e98:docs/verify_attention_log.md)."""
     if os.environ.get("DDTREE_VERIFY_ATTN", "auto") == "triton" or rows_per_request < 1 or not q_latent.is_cuda:
         return False
     supported = _wgmma_supported_fn()
