@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def header_lines(argv: list[str]) -> str:
-    head = header(argv).replace("bench_service.py", "bench_ddtree_vs_chain.py")
+    head = header(argv, "bench_ddtree_vs_chain.py")
     return head + ("# both stacks tracing off; agg tok/s per level (closed loop, max(min_requests, 4 x conc) requests, "
                    "ignore_eos, greedy); step and component ms: the verify service's histograms, mean per step\n")
 

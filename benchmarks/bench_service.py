@@ -134,7 +134,8 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def header(argv: list[str]) -> str:
+def header(argv: list[str], script: str = "bench_service.py") -> str:
+    """The command and commit lines every benchmark's result file starts with."""
     # the device's copy of .git can lag its working tree: there the call passes REPO_COMMIT
     commit = os.environ.get("REPO_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                                             capture_output=True, text=True).stdout.strip()
@@ -144,7 +145,7 @@ def header(argv: list[str]) -> str:
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     except ImportError:
         device = "unknown"
-    return (f"# command: python benchmarks/bench_service.py {' '.join(argv)}\n"
+    return (f"# command: python benchmarks/{script} {' '.join(argv)}\n"
             f"# commit {commit or '?'}, device {device}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
 
 

@@ -25,7 +25,6 @@ import os
 import platform
 import queue
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import grpc
 
+from bench_service import header
 from ddtree.v1 import generation_pb2 as pb
 from ddtree.v1 import generation_pb2_grpc as pbg
 
@@ -170,11 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     iters = iterations_for(args.work_ms)
     alone = statistics.median(_timed(lambda: work(iters)) for _ in range(30)) * 1e3
-    commit = os.environ.get("REPO_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                            capture_output=True, text=True).stdout.strip()
-    lines = [f"# command: python benchmarks/bench_stream_fanout.py {' '.join(argv)}",
-             f"# commit {commit or '?'}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-             f"grpcio {grpc.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+    lines = [*header(argv, "bench_stream_fanout.py").splitlines(),
+             f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, grpcio {grpc.__version__}",
              f"# the engine's work alone: {alone:.2f} ms a step (median of 30); medians over {args.steps} steps",
              f"{'server':<7}{'streams':>8}{'work_ms':>9}{'growth_ms':>10}{'us/stream':>10}{'emit_ms':>9}"]
     print("\n".join(lines), flush=True)

@@ -205,8 +205,8 @@ class Engine:
         self._graph_widths = tuple(graphs.buckets.nodes) if graphs is not None else ()
         self._other_ms = 0.0
         self._calibration = Calibration()
-        # batch index -> (odds, on-the-top-path flags) of the nodes its policy tree verifies this step
-        self._pending_odds: tuple[list[int], NodeOdds] | None = None  # the policy rows' verified odds
+        # this step's policy rows (batch indices) and the odds of the nodes their trees verify
+        self._pending_odds: tuple[list[int], NodeOdds] | None = None
         self.last_choice: WidthChoice | None = None
 
     # ---- public ----------------------------------------------------------------------------------
@@ -489,7 +489,8 @@ class Engine:
         where = {id(r): j for j, r in enumerate(spec_rows)}
         drafted = [where[id(batch[i])] for i in rows]
         if drafted != list(range(len(spec_rows))):  # the usual case (every row a policy row) copies as is
-            top_lp, top_ids = top_lp[torch.tensor(drafted)], top_ids[torch.tensor(drafted)]
+            index = torch.tensor(drafted)
+            top_lp, top_ids = top_lp[index], top_ids[index]
         ids = top_ids.cpu()  # the trees are on the host (Trees); the draft may be on a GPU
         # the drafter's log-probs at each request's calibrated confidence: the same trees (best-first
         # order is unchanged by a positive scale), their odds as acceptance has borne them out
@@ -539,8 +540,8 @@ class Engine:
         return (widths or [built]) + ([built] if built not in widths else [])
 
     def _calibrate(self, batch: list[_Request], accepted: Accepted) -> None:
-        """Accepted nodes of each policy row against what its tree's odds predicted (whole-batch
-        array work: per-row tensor ops cost ~4 ms a step at concurrency 64 on the H200)."""
+        """Accepted nodes of each policy row against what its tree's odds predicted, as array work
+        over the whole batch (it was a handful of tensor ops per row, every step)."""
         pending, self._pending_odds = self._pending_odds, None
         if pending is None:
             return

@@ -117,7 +117,8 @@ def build_local_engine(setup: ModelSetup, config: EngineConfig = EngineConfig(),
                        drafter=None, tree=None, tracer=None, on_fatal=None) -> Engine:
     """Target (+ in-process drafter when setup.drafter) + tokenizer + in-process tree build.
 
-    `drafter`/`tree` override the in-process ones (remote backends: ddtree.drafter.client, ddtree.treebuild.client, wired by ddtree.verify.peers).
+    `drafter`/`tree` override the in-process ones (remote backends: ddtree.drafter.client,
+    ddtree.treebuild.client, wired by ddtree.verify.peers).
     """
     target = target or load_target(setup, config)
     if drafter is None and setup.drafter:

@@ -105,12 +105,7 @@ class LatentKVCache:
     def block_table(self, seq_ids: list[int]) -> torch.Tensor:
         """[B, max_pages] int32 (padding: page 0, never read unmasked). Built on the host in one
         piece and copied once: per-sequence tensors cost a device copy each on a GPU."""
-        width = max([len(self._seq(s).pages) for s in seq_ids] + [1])
-        table = np.zeros((len(seq_ids), width), dtype=np.int32)
-        for i, s in enumerate(seq_ids):
-            pages = self._seqs[s].pages
-            table[i, : len(pages)] = pages
-        return torch.from_numpy(table).to(self.pages.device)
+        return torch.from_numpy(_page_table([self._seq(s) for s in seq_ids], np.int32)).to(self.pages.device)
 
     def _host_slots(self, seq: _Sequence, positions: np.ndarray) -> np.ndarray:
         """Flat slot ids of one sequence's positions, computed from its page list on the host."""
@@ -146,8 +141,8 @@ class LatentKVCache:
 
         Row keep[b, j] moves to committed position length_b + j in every layer; then the length
         grows by the number kept and unneeded pages are freed. Returns the new lengths.
-        Slot ids are computed on the host for the whole batch at once (no per-sequence array
-        work: that was ~1 ms a step at batch 64; benchmarks/bench_kv_commit.py), no device sync.
+        Slot ids are computed on the host for the whole batch at once (per-sequence array work was
+        ~1 ms a step at batch 64 on a 2-core CPU; benchmarks/bench_kv_commit.py), no device sync.
         """
         keep = keep.to("cpu", torch.int64)
         if keep.dim() != 2 or keep.shape[0] != len(seq_ids):
@@ -162,9 +157,7 @@ class LatentKVCache:
         if counts.any():
             ps = self.page_size
             lengths = np.array([q.length for q in seqs], dtype=np.int64)
-            table = np.zeros((len(seqs), max(len(q.pages) for q in seqs)), dtype=np.int64)
-            for i, q in enumerate(seqs):
-                table[i, :len(q.pages)] = q.pages
+            table = _page_table(seqs, np.int64)
             reserved = np.array([len(q.pages) for q in seqs], dtype=np.int64) * ps
             beyond = (counts > 0) & (keep.max(1) >= reserved - lengths)
             if beyond.any():
@@ -186,3 +179,11 @@ class LatentKVCache:
             seq.length += n
             self._trim(seq)
         return [seq.length for seq in seqs]
+
+
+def _page_table(seqs: list[_Sequence], dtype) -> np.ndarray:
+    """[B, max_pages] page ids of the sequences, padded with page 0 (at least one column)."""
+    table = np.zeros((len(seqs), max([len(q.pages) for q in seqs] + [1])), dtype=dtype)
+    for i, q in enumerate(seqs):
+        table[i, :len(q.pages)] = q.pages
+    return table

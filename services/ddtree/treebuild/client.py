@@ -31,7 +31,6 @@ class RemoteTree(RemotePeer):
 
     def __init__(self, channel: grpc.Channel, transport, *, max_batch: int, max_budget: int, draft_len: int,
                  max_top_k: int = 64, slots: int = 4, timeout_s: float = 30.0, rpc_style: str = "stream"):
-        self._align = align
         self.rpc_style = check_rpc_style(rpc_style)
         b, n, d, k = max_batch, max_budget, draft_len, min(max_top_k, max_budget)
         build = 2 * align(b * d * k * 4)
@@ -53,7 +52,7 @@ class RemoteTree(RemotePeer):
         refs, offset = [], 0
         for t in tensors:
             ref = self.region.put(slot, t.contiguous(), offset)
-            offset = self._align(offset + t.numel() * t.element_size())
+            offset = align(offset + t.numel() * t.element_size())
             refs.append(self.link.send(ref))
         self.region.record(slot)
         return refs
