@@ -167,6 +167,17 @@ def test_verify_service_flags_set_the_buckets():
         explicit_buckets(parse("--graph-batches", "1,,2"), engine_config(parse()))
 
 
+def test_budget_cap_defaults_to_cost_on_a_gpu_and_tokens_on_cpu():
+    from ddtree.cli import build_parser
+    from ddtree.verify.main import engine_config
+
+    parse = lambda *a: build_parser().parse_args(["serve", "verify", "--target", "x", *a])  # noqa: E731
+    assert engine_config(parse(), "cuda").budget.cap_from_costs
+    assert not engine_config(parse(), "cpu").budget.cap_from_costs
+    assert not engine_config(parse("--budget-cap", "tokens"), "cuda").budget.cap_from_costs
+    assert engine_config(parse("--budget-cap", "cost"), "cpu").budget.cap_from_costs
+
+
 def _tp_scenario(model, verify) -> list[torch.Tensor]:
     """A few verify + commit steps over two sequences; `verify` is the runner's or the model's."""
     gen = torch.Generator().manual_seed(5)

@@ -80,11 +80,11 @@ def send_posterior(service, post, slot=0):
     return service["link"].send(ref)
 
 
-def build(service, step, lp, ids, budgets, slot=0):
+def build(service, step, lp, ids, budgets, slot=0, time_gpu=False):
     lp_ref, ids_ref = send_topk(service, lp, ids, slot)
     return service["stub"].Build(treebuild_pb2.BuildRequest(step_id=step, top_logprobs=lp_ref, top_ids=ids_ref,
-                                                            budgets=budgets), metadata=service["link"].metadata,
-                                 timeout=30)
+                                                            budgets=budgets, time_gpu=time_gpu),
+                                 metadata=service["link"].metadata, timeout=30)
 
 
 def remote_trees(service, reply):
@@ -144,7 +144,7 @@ def test_build_and_accept_match_the_library_and_the_service_stops_cleanly(servic
         batch = 1 + step % MAX_BATCH
         lp, ids = random_topk(batch, DEPTH, K, ties=step % 2 == 1, temperature=0.4, generator=gen)
         budgets = torch.randint(K, MAX_BUDGET + 1, (batch,), generator=gen).tolist()
-        reply = build(service, 10 + step, lp, ids, budgets, slot=step % 3)
+        reply = build(service, 10 + step, lp, ids, budgets, slot=step % 3, time_gpu=step == 4)
         want = build_trees(lp, ids, budgets, "reference")
         got = remote_trees(service, reply)
         for name in TREE_FIELDS:
@@ -152,8 +152,10 @@ def test_build_and_accept_match_the_library_and_the_service_stops_cleanly(servic
             assert torch.equal(a.view(torch.int64) if name == "mask" else a,
                                b.view(torch.int64) if name == "mask" else b), name
         assert reply.timing.server_ms > 0
-        if device == "cuda":
+        if step == 4 and device == "cuda":  # asked to time it: CUDA events
             assert reply.timing.gpu_ms > 0
+        else:  # untraced and not asked (or no GPU): not timed
+            assert reply.timing.gpu_ms == 0
         # Accept: posteriors that follow each tree's deepest path (then stop), by step id ...
         post = torch.stack([path_posterior(want, b, deepest_path(want, b), 12345) for b in range(batch)]).int()
         expected = accept(want, post, "reference")

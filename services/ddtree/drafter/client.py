@@ -18,7 +18,7 @@ import grpc
 import torch
 
 from ddtree.engine.backends import DraftItem, PeerUnavailable
-from ddtree.rpc.peer import RemotePeer, check_rpc_style
+from ddtree.rpc.peer import RemotePeer, check_rpc_style, time_gpu
 from ddtree.transport import PeerLink, Transport, align
 from ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -124,7 +124,8 @@ class RemoteDrafter(RemotePeer):
     def _draft_once(self, step_id: int, items: list[DraftItem], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         slot = self._slot
         self._slot = (slot + 1) % self.region.slot_count
-        request = drafter_pb2.DraftRequest(step_id=step_id, top_k=k, release_request_ids=self._pending_release)
+        request = drafter_pb2.DraftRequest(step_id=step_id, top_k=k, release_request_ids=self._pending_release,
+                                           time_gpu=time_gpu())
         released, self._pending_release = self._pending_release, []
         offset = 0
         for item in items:

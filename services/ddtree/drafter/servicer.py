@@ -2,7 +2,8 @@
 
 Attach: the transport's attach (imports the caller's feature regions, returns our top-k region).
 Draft:  resolve each item's context-feature ref, `draft_topk`, write [B, D, K] log-probs and ids
-        into one slot of our region, record the slot's event, reply with refs + ServerTiming.
+        into one slot of our region, record the slot's event, reply with refs + ServerTiming
+        (GPU time only when the request sets time_gpu; else the reply does not wait for the GPU).
 Release: free the requests' context.
 DraftStream: Draft per message of one long-lived stream per engine (the default step path); a
         message Draft refuses ends the stream with Draft's status, the engine reopens it.
@@ -25,7 +26,7 @@ from opentelemetry import trace
 
 from ddtree.models.dflash import ContextCacheFull, DFlashDrafter, DrafterContextCache, UnknownRequest
 from ddtree.rpc.step_stream import serve_each
-from ddtree.telemetry.spans import DRAFT, SERVER_GPU_MS, GpuTimer
+from ddtree.telemetry.spans import DRAFT, SERVER_GPU_MS, UNTIMED, GpuTimer
 from ddtree.transport import Transport, TransportError, align, attach, serve_peer
 from ddtree.v1 import drafter_pb2, drafter_pb2_grpc, tensor_pb2
 
@@ -135,7 +136,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         span.set_attributes({ATTR_STEP: request.step_id, ATTR_BATCH: batch, ATTR_TOP_K: k,
                              ATTR_NEW_TOKENS: sum(f.shape[0] for f in features if f.dim() == 2)})
         slot = self._next_slot
-        with self.timer.region(DRAFT, **{ATTR_BATCH: batch}):
+        # Asked (the caller's step is traced), the flush waits for the draft (its GPU time); else the
+        # reply leaves while the GPU still drafts: the caller's stream waits on the slot's event.
+        timer = self.timer if request.time_gpu else UNTIMED
+        with timer.region(DRAFT, **{ATTR_BATCH: batch}):
             draft = self.graphs.draft_topk if self.graphs is not None else \
                 functools.partial(self.model.draft_topk, self.cache)
             lp, top = draft([_key(peer.peer_id, r) for r in ids], features,
@@ -147,7 +151,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             ids_out.copy_(top)
             self.output.record(slot)
         self._next_slot = (slot + 1) % self.output.slot_count
-        gpu_ms = self.timer.flush(self.tracer).get(DRAFT, 0.0)  # waits for the draft: the reply's fence
+        gpu_ms = timer.flush(self.tracer).get(DRAFT, 0.0)
         span.set_attribute(SERVER_GPU_MS, gpu_ms)
         return (peer.for_peer(self.output.ref(slot, lp_out)), peer.for_peer(self.output.ref(slot, ids_out)), gpu_ms)
 

@@ -43,9 +43,10 @@ class BudgetPolicy:
     ar_after_steps: int = 8
     cost_aware: bool = True
     # With cost_aware: build policy trees up to the widest verify width whose predicted cost stays
-    # within cap_slack of the chain's, instead of the tokens_per_step share (off by default until
-    # the H200 run says it pays: at concurrency 64 the share leaves 4-node trees while the verify
-    # costs the same at 16 rows; benchmarks/results/h200/ddtree_vs_chain.txt).
+    # within cap_slack of the chain's, when that is wider than the tokens_per_step share (at
+    # concurrency 64 the share leaves 4-node trees while the verify costs the same at 16 rows;
+    # the H200 A/B is in docs/engine.md "Budget policy"). The service turns it on for a GPU only:
+    # on CPU the wider drafts and builds cost as much as the verify (the cost table prices only it).
     cap_from_costs: bool = False
     cap_slack: float = 0.1
 

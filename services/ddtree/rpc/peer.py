@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import grpc
+from opentelemetry import trace
 
 from ddtree.engine.backends import PeerUnavailable
 from ddtree.rpc.step_stream import StepStream
@@ -18,6 +19,12 @@ def check_rpc_style(rpc_style: str) -> str:
     if rpc_style not in RPC_STYLES:
         raise ValueError(f"rpc_style={rpc_style!r}: choose one of {', '.join(RPC_STYLES)}")
     return rpc_style
+
+
+def time_gpu() -> bool:
+    """Whether a per-step request asks its server to time (and so wait for) its GPU work: when the
+    caller's component span records (a traced step, or summary mode), which it then reports."""
+    return trace.get_current_span().is_recording()
 
 
 class RemotePeer:

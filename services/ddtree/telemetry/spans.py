@@ -362,6 +362,9 @@ class GpuTimer:
         return totals
 
 
+UNTIMED = GpuTimer(enabled=False)  # for untraced work: regions free, flush {} (no events, no wait)
+
+
 # ---- internals --------------------------------------------------------------------------------
 class _StepSummary:
     """Per-component totals of one summary-mode step, written on the step span as it ends."""

@@ -4,7 +4,8 @@ Attach: the transport's attach (imports the caller's regions, returns our two ou
 Build:  resolve the [B, D, K] top-k refs (regions the caller exported at Attach: its own, or
         the drafter's handles it forwarded), build the trees straight into a slot of
         "treebuild/trees", record the slot's event, reply with TreeRefs + ServerTiming (GPU time
-        from CUDA events).
+        from CUDA events, only when the request sets time_gpu: the events and their wait were a
+        third of the handler).
 Accept: walk the trees of `step_id` kept from Build (or the TreeRefs sent) with the caller's
         posterior, write path/length/bonus/keep into a slot of "treebuild/accept".
 BuildStream / AcceptStream: Build / Accept per message of one long-lived stream per engine (the
@@ -25,7 +26,7 @@ import torch
 from opentelemetry import trace
 
 from ddtree.rpc.step_stream import serve_each
-from ddtree.telemetry.spans import ACCEPT, SERVER_GPU_MS, TREE_BUILD, GpuTimer
+from ddtree.telemetry.spans import ACCEPT, SERVER_GPU_MS, TREE_BUILD, UNTIMED, GpuTimer
 from ddtree.transport import Region, Transport, TransportError, align, attach, serve_peer
 from ddtree.transport.region import check_ref
 from ddtree.tree import Accepted, Trees, accept, build_trees
@@ -197,17 +198,19 @@ class TreeBuilderServicer(treebuild_pb2_grpc.TreeBuilderServicer):
         out = Trees(draft_len=depth, **views)
         span = trace.get_current_span()
         span.set_attributes({ATTR_STEP: request.step_id, ATTR_BATCH: batch, ATTR_BUDGET: n})
-        with self.timer.region(TREE_BUILD, **{ATTR_BATCH: batch}):
+        timer = self.timer if request.time_gpu else UNTIMED  # the caller's step is traced
+        with timer.region(TREE_BUILD, **{ATTR_BATCH: batch}):
             trees = build_trees(lp, ids, budgets, self.backend, check=False, threads=self.threads, out=out)
             self.trees_region.record(slot)
-        gpu_ms = self.timer.flush(self.tracer).get(TREE_BUILD, 0.0)  # waits: the reply's fence
-        raise_on_status(trees.status)  # after the wait: no extra sync
+        gpu_ms = timer.flush(self.tracer).get(TREE_BUILD, 0.0)
+        raise_on_status(trees.status)  # the reply's fence: waits for the build
         self._next_trees_slot = (slot + 1) % self.trees_region.slot_count
         key = (peer.peer_id, request.step_id)
         for old in [k for k, s in self._steps.items() if s.slot == slot]:
             del self._steps[old]  # that slot is overwritten now
         self._steps[key] = _Step(slot, trees)
-        span.set_attributes({ATTR_NODES: int(trees.num_nodes.sum()), SERVER_GPU_MS: gpu_ms})
+        if span.is_recording():  # the sum is a device read: only for a recorded span
+            span.set_attributes({ATTR_NODES: int(trees.num_nodes.sum()), SERVER_GPU_MS: gpu_ms})
         refs = treebuild_pb2.TreeRefs(**{name: peer.for_peer(self.trees_region.ref(slot, getattr(trees, name)))
                                          for name in ("tokens", "depths", "parents", "num_nodes", "mask")})
         return refs, gpu_ms
@@ -246,14 +249,16 @@ class TreeBuilderServicer(treebuild_pb2_grpc.TreeBuilderServicer):
         views = _views(self.accept_region, slot, _accept_layout(trees.batch, trees.draft_len + 1))
         span = trace.get_current_span()
         span.set_attributes({ATTR_STEP: request.step_id, ATTR_BATCH: trees.batch})
-        with self.timer.region(ACCEPT, **{ATTR_BATCH: trees.batch}):
+        timer = self.timer if request.time_gpu else UNTIMED  # the caller's step is traced
+        with timer.region(ACCEPT, **{ATTR_BATCH: trees.batch}):
             result = accept(trees, posterior, self.backend, check=False, threads=self.threads,
                             out=Accepted(**views))
             self.accept_region.record(slot)
-        gpu_ms = self.timer.flush(self.tracer).get(ACCEPT, 0.0)
-        raise_on_status(result.status)
+        gpu_ms = timer.flush(self.tracer).get(ACCEPT, 0.0)
+        raise_on_status(result.status)  # the reply's fence: waits for the walk
         self._next_accept_slot = (slot + 1) % self.accept_region.slot_count
-        span.set_attributes({ATTR_ACCEPTED: int(result.length.sum()), SERVER_GPU_MS: gpu_ms})
+        if span.is_recording():
+            span.set_attributes({ATTR_ACCEPTED: int(result.length.sum()), SERVER_GPU_MS: gpu_ms})
         reply = treebuild_pb2.AcceptReply(**{name: peer.for_peer(self.accept_region.ref(slot, getattr(result, name)))
                                              for name in ("path", "length", "bonus", "keep")})
         return reply, gpu_ms

@@ -26,7 +26,7 @@ from ddtree.v1 import tensor_pb2 as ddtree_dot_v1_dot_tensor__pb2
 from ddtree.v1 import transport_pb2 as ddtree_dot_v1_dot_transport__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x64tree/v1/drafter.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/tensor.proto\x1a\x19\x64\x64tree/v1/transport.proto\"v\n\tDraftItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62onus_token\x18\x02 \x01(\x05\x12\x10\n\x08position\x18\x03 \x01(\x03\x12.\n\x10\x63ontext_features\x18\x04 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\"\x85\x01\n\x0c\x44raftRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12#\n\x05items\x18\x02 \x03(\x0b\x32\x14.ddtree.v1.DraftItem\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\x12\x1b\n\x13release_request_ids\x18\x05 \x03(\t\"\x88\x01\n\nDraftReply\x12*\n\x0ctop_logprobs\x18\x01 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12%\n\x07top_ids\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\'\n\x06timing\x18\x03 \x01(\x0b\x32\x17.ddtree.v1.ServerTiming\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x05\x32\x80\x02\n\x07\x44rafter\x12:\n\x06\x41ttach\x12\x18.ddtree.v1.AttachRequest\x1a\x16.ddtree.v1.AttachReply\x12\x37\n\x05\x44raft\x12\x17.ddtree.v1.DraftRequest\x1a\x15.ddtree.v1.DraftReply\x12\x41\n\x0b\x44raftStream\x12\x17.ddtree.v1.DraftRequest\x1a\x15.ddtree.v1.DraftReply(\x01\x30\x01\x12=\n\x07Release\x12\x19.ddtree.v1.ReleaseRequest\x1a\x17.ddtree.v1.ReleaseReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x64tree/v1/drafter.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/tensor.proto\x1a\x19\x64\x64tree/v1/transport.proto\"v\n\tDraftItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62onus_token\x18\x02 \x01(\x05\x12\x10\n\x08position\x18\x03 \x01(\x03\x12.\n\x10\x63ontext_features\x18\x04 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\"\x97\x01\n\x0c\x44raftRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12#\n\x05items\x18\x02 \x03(\x0b\x32\x14.ddtree.v1.DraftItem\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\x12\x1b\n\x13release_request_ids\x18\x05 \x03(\t\x12\x10\n\x08time_gpu\x18\x06 \x01(\x08\"\x88\x01\n\nDraftReply\x12*\n\x0ctop_logprobs\x18\x01 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12%\n\x07top_ids\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\'\n\x06timing\x18\x03 \x01(\x0b\x32\x17.ddtree.v1.ServerTiming\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x05\x32\x80\x02\n\x07\x44rafter\x12:\n\x06\x41ttach\x12\x18.ddtree.v1.AttachRequest\x1a\x16.ddtree.v1.AttachReply\x12\x37\n\x05\x44raft\x12\x17.ddtree.v1.DraftRequest\x1a\x15.ddtree.v1.DraftReply\x12\x41\n\x0b\x44raftStream\x12\x17.ddtree.v1.DraftRequest\x1a\x15.ddtree.v1.DraftReply(\x01\x30\x01\x12=\n\x07Release\x12\x19.ddtree.v1.ReleaseRequest\x1a\x17.ddtree.v1.ReleaseReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,13 +36,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTITEM']._serialized_start=89
   _globals['_DRAFTITEM']._serialized_end=207
   _globals['_DRAFTREQUEST']._serialized_start=210
-  _globals['_DRAFTREQUEST']._serialized_end=343
-  _globals['_DRAFTREPLY']._serialized_start=346
-  _globals['_DRAFTREPLY']._serialized_end=482
-  _globals['_RELEASEREQUEST']._serialized_start=484
-  _globals['_RELEASEREQUEST']._serialized_end=521
-  _globals['_RELEASEREPLY']._serialized_start=523
-  _globals['_RELEASEREPLY']._serialized_end=555
-  _globals['_DRAFTER']._serialized_start=558
-  _globals['_DRAFTER']._serialized_end=814
+  _globals['_DRAFTREQUEST']._serialized_end=361
+  _globals['_DRAFTREPLY']._serialized_start=364
+  _globals['_DRAFTREPLY']._serialized_end=500
+  _globals['_RELEASEREQUEST']._serialized_start=502
+  _globals['_RELEASEREQUEST']._serialized_end=539
+  _globals['_RELEASEREPLY']._serialized_start=541
+  _globals['_RELEASEREPLY']._serialized_end=573
+  _globals['_DRAFTER']._serialized_start=576
+  _globals['_DRAFTER']._serialized_end=832
 # @@protoc_insertion_point(module_scope)

@@ -21,18 +21,20 @@ class DraftItem(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., bonus_token: _Optional[int] = ..., position: _Optional[int] = ..., context_features: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("step_id", "items", "top_k", "traceparent", "release_request_ids")
+    __slots__ = ("step_id", "items", "top_k", "traceparent", "release_request_ids", "time_gpu")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIME_GPU_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     items: _containers.RepeatedCompositeFieldContainer[DraftItem]
     top_k: int
     traceparent: str
     release_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[DraftItem, _Mapping]]] = ..., top_k: _Optional[int] = ..., traceparent: _Optional[str] = ..., release_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    time_gpu: bool
+    def __init__(self, step_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[DraftItem, _Mapping]]] = ..., top_k: _Optional[int] = ..., traceparent: _Optional[str] = ..., release_request_ids: _Optional[_Iterable[str]] = ..., time_gpu: _Optional[bool] = ...) -> None: ...
 
 class DraftReply(_message.Message):
     __slots__ = ("top_logprobs", "top_ids", "timing")

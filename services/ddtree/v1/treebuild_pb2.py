@@ -26,7 +26,7 @@ from ddtree.v1 import tensor_pb2 as ddtree_dot_v1_dot_tensor__pb2
 from ddtree.v1 import transport_pb2 as ddtree_dot_v1_dot_transport__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64\x64tree/v1/treebuild.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/tensor.proto\x1a\x19\x64\x64tree/v1/transport.proto\"\x98\x01\n\x0c\x42uildRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x0ctop_logprobs\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12%\n\x07top_ids\x18\x03 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\x0f\n\x07\x62udgets\x18\x04 \x03(\x05\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\"\xca\x01\n\x08TreeRefs\x12$\n\x06tokens\x18\x01 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12$\n\x06\x64\x65pths\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12%\n\x07parents\x18\x03 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\'\n\tnum_nodes\x18\x04 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\"\n\x04mask\x18\x05 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\"Y\n\nBuildReply\x12\"\n\x05trees\x18\x01 \x01(\x0b\x32\x13.ddtree.v1.TreeRefs\x12\'\n\x06timing\x18\x02 \x01(\x0b\x32\x17.ddtree.v1.ServerTiming\"\x82\x01\n\rAcceptRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\tposterior\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\"\n\x05trees\x18\x03 \x01(\x0b\x32\x13.ddtree.v1.TreeRefs\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"\xc9\x01\n\x0b\x41\x63\x63\x65ptReply\x12\"\n\x04path\x18\x01 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12$\n\x06length\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12#\n\x05\x62onus\x18\x03 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\"\n\x04keep\x18\x04 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\'\n\x06timing\x18\x05 \x01(\x0b\x32\x17.ddtree.v1.ServerTiming2\xc7\x02\n\x0bTreeBuilder\x12:\n\x06\x41ttach\x12\x18.ddtree.v1.AttachRequest\x1a\x16.ddtree.v1.AttachReply\x12\x37\n\x05\x42uild\x12\x17.ddtree.v1.BuildRequest\x1a\x15.ddtree.v1.BuildReply\x12:\n\x06\x41\x63\x63\x65pt\x12\x18.ddtree.v1.AcceptRequest\x1a\x16.ddtree.v1.AcceptReply\x12\x41\n\x0b\x42uildStream\x12\x17.ddtree.v1.BuildRequest\x1a\x15.ddtree.v1.BuildReply(\x01\x30\x01\x12\x44\n\x0c\x41\x63\x63\x65ptStream\x12\x18.ddtree.v1.AcceptRequest\x1a\x16.ddtree.v1.AcceptReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64\x64tree/v1/treebuild.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/tensor.proto\x1a\x19\x64\x64tree/v1/transport.proto\"\xaa\x01\n\x0c\x42uildRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x0ctop_logprobs\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12%\n\x07top_ids\x18\x03 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\x0f\n\x07\x62udgets\x18\x04 \x03(\x05\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\x12\x10\n\x08time_gpu\x18\x06 \x01(\x08\"\xca\x01\n\x08TreeRefs\x12$\n\x06tokens\x18\x01 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12$\n\x06\x64\x65pths\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12%\n\x07parents\x18\x03 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\'\n\tnum_nodes\x18\x04 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\"\n\x04mask\x18\x05 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\"Y\n\nBuildReply\x12\"\n\x05trees\x18\x01 \x01(\x0b\x32\x13.ddtree.v1.TreeRefs\x12\'\n\x06timing\x18\x02 \x01(\x0b\x32\x17.ddtree.v1.ServerTiming\"\x94\x01\n\rAcceptRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\tposterior\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\"\n\x05trees\x18\x03 \x01(\x0b\x32\x13.ddtree.v1.TreeRefs\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\x12\x10\n\x08time_gpu\x18\x05 \x01(\x08\"\xc9\x01\n\x0b\x41\x63\x63\x65ptReply\x12\"\n\x04path\x18\x01 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12$\n\x06length\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12#\n\x05\x62onus\x18\x03 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\"\n\x04keep\x18\x04 \x01(\x0b\x32\x14.ddtree.v1.TensorRef\x12\'\n\x06timing\x18\x05 \x01(\x0b\x32\x17.ddtree.v1.ServerTiming2\xc7\x02\n\x0bTreeBuilder\x12:\n\x06\x41ttach\x12\x18.ddtree.v1.AttachRequest\x1a\x16.ddtree.v1.AttachReply\x12\x37\n\x05\x42uild\x12\x17.ddtree.v1.BuildRequest\x1a\x15.ddtree.v1.BuildReply\x12:\n\x06\x41\x63\x63\x65pt\x12\x18.ddtree.v1.AcceptRequest\x1a\x16.ddtree.v1.AcceptReply\x12\x41\n\x0b\x42uildStream\x12\x17.ddtree.v1.BuildRequest\x1a\x15.ddtree.v1.BuildReply(\x01\x30\x01\x12\x44\n\x0c\x41\x63\x63\x65ptStream\x12\x18.ddtree.v1.AcceptRequest\x1a\x16.ddtree.v1.AcceptReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ddtree.v1.treebuild_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_BUILDREQUEST']._serialized_start=92
-  _globals['_BUILDREQUEST']._serialized_end=244
-  _globals['_TREEREFS']._serialized_start=247
-  _globals['_TREEREFS']._serialized_end=449
-  _globals['_BUILDREPLY']._serialized_start=451
-  _globals['_BUILDREPLY']._serialized_end=540
-  _globals['_ACCEPTREQUEST']._serialized_start=543
-  _globals['_ACCEPTREQUEST']._serialized_end=673
-  _globals['_ACCEPTREPLY']._serialized_start=676
-  _globals['_ACCEPTREPLY']._serialized_end=877
-  _globals['_TREEBUILDER']._serialized_start=880
-  _globals['_TREEBUILDER']._serialized_end=1207
+  _globals['_BUILDREQUEST']._serialized_end=262
+  _globals['_TREEREFS']._serialized_start=265
+  _globals['_TREEREFS']._serialized_end=467
+  _globals['_BUILDREPLY']._serialized_start=469
+  _globals['_BUILDREPLY']._serialized_end=558
+  _globals['_ACCEPTREQUEST']._serialized_start=561
+  _globals['_ACCEPTREQUEST']._serialized_end=709
+  _globals['_ACCEPTREPLY']._serialized_start=712
+  _globals['_ACCEPTREPLY']._serialized_end=913
+  _globals['_TREEBUILDER']._serialized_start=916
+  _globals['_TREEBUILDER']._serialized_end=1243
 # @@protoc_insertion_point(module_scope)

@@ -9,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class BuildRequest(_message.Message):
-    __slots__ = ("step_id", "top_logprobs", "top_ids", "budgets", "traceparent")
+    __slots__ = ("step_id", "top_logprobs", "top_ids", "budgets", "traceparent", "time_gpu")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     BUDGETS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TIME_GPU_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     top_logprobs: _tensor_pb2.TensorRef
     top_ids: _tensor_pb2.TensorRef
     budgets: _containers.RepeatedScalarFieldContainer[int]
     traceparent: str
-    def __init__(self, step_id: _Optional[int] = ..., top_logprobs: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., top_ids: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., budgets: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    time_gpu: bool
+    def __init__(self, step_id: _Optional[int] = ..., top_logprobs: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., top_ids: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., budgets: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ..., time_gpu: _Optional[bool] = ...) -> None: ...
 
 class TreeRefs(_message.Message):
     __slots__ = ("tokens", "depths", "parents", "num_nodes", "mask")
@@ -45,16 +47,18 @@ class BuildReply(_message.Message):
     def __init__(self, trees: _Optional[_Union[TreeRefs, _Mapping]] = ..., timing: _Optional[_Union[_transport_pb2.ServerTiming, _Mapping]] = ...) -> None: ...
 
 class AcceptRequest(_message.Message):
-    __slots__ = ("step_id", "posterior", "trees", "traceparent")
+    __slots__ = ("step_id", "posterior", "trees", "traceparent", "time_gpu")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     POSTERIOR_FIELD_NUMBER: _ClassVar[int]
     TREES_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TIME_GPU_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     posterior: _tensor_pb2.TensorRef
     trees: TreeRefs
     traceparent: str
-    def __init__(self, step_id: _Optional[int] = ..., posterior: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., trees: _Optional[_Union[TreeRefs, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    time_gpu: bool
+    def __init__(self, step_id: _Optional[int] = ..., posterior: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., trees: _Optional[_Union[TreeRefs, _Mapping]] = ..., traceparent: _Optional[str] = ..., time_gpu: _Optional[bool] = ...) -> None: ...
 
 class AcceptReply(_message.Message):
     __slots__ = ("path", "length", "bonus", "keep", "timing")

@@ -49,6 +49,10 @@ def default_tokens_per_step(device: str) -> int:
     return GPU_TOKENS_PER_STEP if device.startswith("cuda") else CPU_TOKENS_PER_STEP
 
 
+def default_budget_cap(device: str) -> str:
+    return "cost" if device.startswith("cuda") else "tokens"
+
+
 def default_prefill_tokens_per_step(device: str) -> int:
     return GPU_PREFILL_TOKENS_PER_STEP if device.startswith("cuda") else CPU_PREFILL_TOKENS_PER_STEP
 
@@ -97,10 +101,12 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
                         "drafter's calibrated odds against verify costs measured per shape; the chain is always a "
                         "candidate), within the --tokens-per-step cap; share: every tree gets the cap "
                         "(default cost)")
-    s.add_argument("--budget-cap", choices=("tokens", "cost"), default="tokens",
+    s.add_argument("--budget-cap", choices=("tokens", "cost"), default=None,
                    help="with --budget-policy cost, what bounds the trees built before the choice: tokens: the "
-                        "--tokens-per-step share; cost: the widest width the measured verify costs price within "
-                        f"{BudgetPolicy.cap_slack * 100:g}%% of the chain's (default tokens)")
+                        "--tokens-per-step share; cost: also up to the widest width the measured verify costs "
+                        f"price within {BudgetPolicy.cap_slack * 100:g}%% of the chain's (default: cost on a GPU, "
+                        "where wider drafts and builds cost little; tokens on CPU, where they cost as much as the "
+                        "verify they feed)")
     s.add_argument("--min-budget", type=int, default=4, help="budget policy: smallest per-request budget")
     s.add_argument("--max-budget", type=int, default=256, help="largest tree budget (policy and clients)")
     s.add_argument("--ar-below-acceptance", type=float, default=BudgetPolicy.ar_below_acceptance,
@@ -144,7 +150,8 @@ def engine_config(args, device: str = "cpu"):
                                              else args.tokens_per_step),
                             min_budget=min(args.min_budget, args.max_budget),
                             max_budget=args.max_budget, ar_below_acceptance=args.ar_below_acceptance,
-                            cost_aware=args.budget_policy == "cost", cap_from_costs=args.budget_cap == "cost"),
+                            cost_aware=args.budget_policy == "cost",
+                            cap_from_costs=(args.budget_cap or default_budget_cap(device)) == "cost"),
         max_tokens_limit=args.max_tokens_limit, default_max_tokens=min(args.default_max_tokens, args.max_tokens_limit),
         max_top_k=args.max_top_k, reattach_after_s=args.reattach_after_s,
         prefill_tokens_per_step=(default_prefill_tokens_per_step(device) if args.prefill_tokens_per_step is None
