@@ -25,6 +25,7 @@ weight is cycled through enough copies that the L2 does not serve it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import shlex
@@ -39,7 +40,7 @@ from ddtree.kernels import quant_gemm as qg
 from ddtree.kernels.quant_gemm import GemmConfig
 from ddtree.models.quant import dequantize_fp8_block, quantize_fp8_block
 
-GEMM_KERNEL = "_quant_gemm_kernel"
+GEMM_KERNELS = ("_quant_gemm_kernel", "_int4_fma_kernel")
 DENSE_SHAPES = [  # (name, out, in, silu): one Kimi-K2 layer's FP8 linears on a TP8 rank
     ("q_a_proj", 1536, 7168, False), ("q_b_proj", 1536, 1536, False), ("kv_a_proj_with_mqa", 576, 7168, False),
     ("o_proj", 7168, 1024, False), ("shared_gate_up", 512, 7168, True), ("shared_down", 7168, 256, False),
@@ -201,7 +202,7 @@ def hit_stats(steps, args) -> tuple[float, float]:
 def is_gemm_kernel(fmt: str):
     if fmt == "bf16":  # torch._grouped_mm's kernels (CUTLASS grouped GEMMs)
         return lambda name: "gemm" in name.lower() or "grouped" in name.lower()
-    return lambda name: GEMM_KERNEL in name
+    return lambda name: any(k in name for k in GEMM_KERNELS)
 
 
 def run_moe(report: Report, experts: dict, args, copy_bw: float, device) -> dict:
@@ -229,7 +230,8 @@ def run_moe(report: Report, experts: dict, args, copy_bw: float, device) -> dict
 
 def sweep_moe(report: Report, experts: dict, args, device) -> None:
     """A few launches per GEMM around the heuristic's (GEMM 1 first with GEMM 2's default, then
-    GEMM 2 with GEMM 1's best); prints the best of each."""
+    GEMM 2 with GEMM 1's best), for each BLOCK_M tried (the heuristic's; INT4 up to 256 tokens
+    both the CUDA-core kernel's 1 and the dots' 16); prints the best of each."""
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     for tokens in args.tokens:
         steps = routings(tokens, args.iters, args, device, gen)
@@ -237,34 +239,45 @@ def sweep_moe(report: Report, experts: dict, args, device) -> None:
         for fmt, ex in experts.items():
             if fmt == "bf16":
                 continue
-            default = qg.moe_config(tokens, args.topk, args.local, args.hidden, args.inter, qg._sms(device))
-            best = list(default)
-            for which, k in enumerate((args.hidden, args.inter)):
-                timed = []
-                for cfg in candidates(default[which], k, fmt):
-                    pair = tuple(cfg if i == which else best[i] for i in range(2))
-                    fns = [lambda x=x, w=w, i=i, ex=ex, pair=pair: ex.call(x, w, i, args.first_expert, config=pair)
-                           for x, (w, i) in zip(xs, steps)]
-                    try:
-                        timed.append((graph_time_us(fns, args.replays), cfg))
-                    except Exception as e:  # a launch that does not fit (shared memory, registers)
-                        report(f"  sweep {fmt} tokens {tokens} gemm{which + 1} {cfg}: {type(e).__name__}")
-                timed.sort(key=lambda t: t[0])
-                best[which] = timed[0][1]
-                report(f"sweep {fmt} tokens {tokens} gemm{which + 1}: best {timed[0][0]:.1f} us {timed[0][1]}; "
-                       f"default {default[which]}; next {', '.join(f'{t:.1f}' for t, _ in timed[1:4])}")
+            heuristic = qg.moe_config(tokens, args.topk, args.local, args.hidden, args.inter, qg._sms(device), fmt)
+            block_ms = [heuristic[0].block_m] + ([bm for bm in (1, 16) if bm != heuristic[0].block_m]
+                                                  if fmt == "int4" and tokens <= 256 else [])
+            for bm in block_ms:
+                default = [dataclasses.replace(c, block_m=bm) for c in heuristic]
+                best = list(default)
+                for which, k in enumerate((args.hidden, args.inter)):
+                    timed = []
+                    for cfg in candidates(default[which], k, fmt):
+                        pair = tuple(cfg if i == which else best[i] for i in range(2))
+                        fns = [lambda x=x, w=w, i=i, ex=ex, pair=pair: ex.call(x, w, i, args.first_expert, config=pair)
+                               for x, (w, i) in zip(xs, steps)]
+                        try:
+                            timed.append((graph_time_us(fns, args.replays), cfg))
+                        except Exception as e:  # a launch that does not fit (shared memory, registers)
+                            report(f"  sweep {fmt} tokens {tokens} gemm{which + 1} {cfg}: {type(e).__name__}")
+                    timed.sort(key=lambda t: t[0])
+                    best[which] = timed[0][1]
+                    report(f"sweep {fmt} tokens {tokens} block_m {bm} gemm{which + 1}: best {timed[0][0]:.1f} us "
+                           f"{timed[0][1]}; default {default[which]}; "
+                           f"next {', '.join(f'{t:.1f}' for t, _ in timed[1:4])}")
 
 
 def candidates(default: GemmConfig, k: int, fmt: str) -> list[GemmConfig]:
-    """Tiles, splits, stages and operand order around the default (same BLOCK_M: the sort's)."""
-    k_steps = math.ceil(k / 128)
+    """Tiles, splits, stages and operand order around the default (same BLOCK_M: the sort's);
+    the CUDA-core kernel (BLOCK_M 1): tiles, splits and warps."""
+    k_steps = math.ceil(k / default.k_step(fmt))
     out = {default}
-    block_ks = (128,) if fmt == "fp8" else (128, 256)
-    for bn, bk, split, stages, swap in itertools.product((32, 64, 128), block_ks, (1, 2, 4, 8, 16), (3, 4),
-                                                         (True, False)):
-        if split <= k_steps:
-            out.add(GemmConfig(default.block_m, bn, bk, split, 8 if bn == 128 else 4, stages, swap))
-    return sorted(out, key=lambda c: (c.block_n, c.block_k, c.split_k, c.num_stages, c.swap_ab))
+    if default.fma:
+        for bn, split, warps in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (4, 8)):
+            if split <= k_steps:
+                out.add(dataclasses.replace(default, block_n=bn, split_k=split, num_warps=warps))
+    else:
+        grid = itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (2, 3, 4), (True, False))
+        for bn, split, stages, swap in grid:
+            if split <= k_steps:
+                out.add(dataclasses.replace(default, block_n=bn, split_k=split, num_stages=stages, swap_ab=swap,
+                                            num_warps=8 if bn == 128 else 4))
+    return sorted(out, key=lambda c: (c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages, c.swap_ab))
 
 
 # ---- dense linears -------------------------------------------------------------------------------

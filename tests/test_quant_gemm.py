@@ -246,6 +246,8 @@ def test_dense_gemm_matches_reference(fmt, m, n, k, silu):
     assert rel_err(y, ref) < TOL[fmt]
 
 
+INT4_CONFIGS = [GemmConfig(16, 32, 256, 2), GemmConfig(16, 16, 256, 3), GemmConfig(1, 16), GemmConfig(1, 32, split_k=2),
+                GemmConfig(1, 64, split_k=3, num_warps=8), GemmConfig(1, 128, num_warps=2)]
 SPLIT_CONFIGS = [GemmConfig(16, 16, split_k=1, num_stages=2), GemmConfig(16, 32, split_k=2, num_stages=2),
                  GemmConfig(32, 64, split_k=3, num_stages=2), GemmConfig(16, 32, split_k=2, swap_ab=False),
                  GemmConfig(16, 64, prequant=False), GemmConfig(32, 16, split_k=2, swap_ab=False, prequant=False)]
@@ -256,15 +258,16 @@ SPLIT_CONFIGS = [GemmConfig(16, 16, split_k=1, num_stages=2), GemmConfig(16, 32,
 def test_dense_split_k_and_tiles_agree(fmt, silu):
     """Split-K off, on, more splits than K steps allow evenly; N tiles past n; BLOCK_M 32; either
     operand order; FP8 activations quantized per tile or beforehand (INT4 also its K step given
-    explicitly)."""
+    explicitly, and the CUDA-core kernel's blocks of one row)."""
     gen = torch.Generator().manual_seed(3)
     n, k = (320, 400) if silu else (200, 400)
     x, data, scale, ref = dense_case(fmt, 5, n, k, silu, gen)
-    configs = SPLIT_CONFIGS + ([GemmConfig(16, 32, 256, 2), GemmConfig(16, 16, 256, 3)] if fmt == "int4" else [])
+    configs = SPLIT_CONFIGS + (INT4_CONFIGS if fmt == "int4" else [])
     outs = [call_dense(fmt, x, data, scale, n, k, silu, config=c) for c in configs]
+    first = {}  # per kernel: the dots multiply weights rounded to x's dtype, the CUDA cores exact ones
     for c, y in zip(configs, outs):
         assert rel_err(y, ref) < TOL[fmt], c
-        assert rel_err(y, outs[0].double()) < 2e-3, c  # accumulation order and rounding only
+        assert rel_err(y, first.setdefault(c.fma, y).double()) < 2e-3, c  # accumulation order and rounding only
 
 
 @pytest.mark.parametrize("group", [24, 64, 128])
@@ -340,6 +343,10 @@ def test_fused_moe_split_k_and_blocks_agree(fmt):
                (GemmConfig(32, 32, split_k=1), GemmConfig(32, 64, split_k=2)),
                (GemmConfig(16, 64, split_k=2, swap_ab=False, prequant=False),
                 GemmConfig(16, 64, swap_ab=False, prequant=False))]
+    if fmt == "int4":  # the CUDA-core kernel: a block per pair
+        configs += [(GemmConfig(1, 32), GemmConfig(1, 64, split_k=2)),
+                    (GemmConfig(1, 16, split_k=3), GemmConfig(1, 32)),
+                    (GemmConfig(1, 64, num_warps=8), GemmConfig(1, 16, split_k=2))]
     outs = [experts.run(x, weights, ids, first, config=c) for c in configs]
     for c, y in zip(configs, outs):
         assert rel_err(y, ref) < TOL[fmt], c
@@ -350,9 +357,12 @@ def test_fused_moe_split_k_and_blocks_agree(fmt):
 def test_calls_are_bitwise_deterministic(fmt):
     """Split-K in both GEMMs: the partials are summed in split order, the choices in choice order."""
     experts, x, weights, ids, first = moe_case(fmt, 3, "all", 13)
-    split = (GemmConfig(16, 64, split_k=2), GemmConfig(16, 128, split_k=2))
-    a, b = (experts.run(x, weights, ids, first, config=split) for _ in range(2))
-    assert torch.equal(a, b)
+    splits = [(GemmConfig(16, 64, split_k=2), GemmConfig(16, 128, split_k=2))]
+    if fmt == "int4":
+        splits.append((GemmConfig(1, 32, split_k=3), GemmConfig(1, 64, split_k=2)))
+    for split in splits:
+        a, b = (experts.run(x, weights, ids, first, config=split) for _ in range(2))
+        assert torch.equal(a, b)
     gen = torch.Generator().manual_seed(2)
     x, data, scale, _ = dense_case(fmt, 3, 96, 400, False, gen)
     cfg = GemmConfig(16, 32, split_k=3)
@@ -417,6 +427,14 @@ def test_launch_heuristic_fills_the_chip_at_decode():
             assert (cfg.split_k - 1) * steps < k_steps  # no empty split
             if tokens >= 64:
                 assert cfg.split_k == 1
+    for tokens, bm in ((1, 1), (4, 1), (16, 1), (64, 16), (256, 16)):  # INT4: the CUDA cores at decode
+        configs = qg.moe_config(tokens, 8, 48, 7168, 2048, sms, "int4")
+        assert configs[0].block_m == configs[1].block_m == bm
+        for cfg, n, k in zip(configs, (2048, 7168), (7168, 2048)):
+            assert cfg.block_k == 256 and cfg.fma == (bm < 16)
+            blocks = tokens if bm == 1 else min(tokens, 48)
+            programs = blocks * math.ceil(n / cfg.block_n) * cfg.split_k
+            assert programs >= min(1.5 * sms, blocks * math.ceil(n / cfg.block_n) * math.ceil(k / 256))
     one = qg.gemm_config(1, 576, 7168, sms)  # kv_a_proj at one token: 9 N tiles
     assert one.block_m == 16 and one.split_k == 28
     assert qg.gemm_config(8192, 7168, 7168, sms).split_k == 1
@@ -432,6 +450,7 @@ def test_bad_inputs_are_value_errors():
         "silu_split": lambda: qg.dense_gemm(x, "fp8", data, scale, n=96, k=200, silu_split=40),
         "block_k": lambda: qg.dense_gemm(x, "fp8", data, scale, n=96, k=200, config=GemmConfig(16, 32, 64)),
         "power of two": lambda: qg.dense_gemm(x, "fp8", data, scale, n=96, k=200, config=GemmConfig(24, 32)),
+        "INT4 only": lambda: qg.dense_gemm(x, "fp8", data, scale, n=96, k=200, config=GemmConfig(1, 32)),
         "one weight": lambda: qg.dense_gemm(x, "fp8", torch.stack([data, data]), torch.stack([scale, scale]),
                                             n=96, k=200),
         "multiple of 8": lambda: qg.dense_gemm(x, "int4", data, scale, n=96, k=200, group_size=20),
@@ -445,6 +464,8 @@ def test_bad_inputs_are_value_errors():
                      intermediate=experts.inter)
     with pytest.raises(ValueError, match="same block_m|block_m"):
         experts.run(x, weights, ids, first, config=(GemmConfig(16, 32), GemmConfig(32, 32)))
+    with pytest.raises(ValueError, match="one operand order"):
+        experts.run(x, weights, ids, first, config=(GemmConfig(1, 32, swap_ab=False),) * 2)
     with pytest.raises(ValueError, match="float32"):
         experts.run(x, weights.double(), ids, first)
 

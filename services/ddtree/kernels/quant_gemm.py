@@ -37,6 +37,14 @@ Kernels:
   (``split_k > 1``): program ``z`` covers K steps ``[z*s, (z+1)*s)`` and writes fp32 partials to a
   ``[split_k, rows, C]`` workspace; ``_splitk_reduce_kernel`` sums them in split order and applies
   the same epilogue (MoE down projection: the combine kernel does it).
+* ``_int4_fma_kernel`` (``block_m`` 1): INT4 on the CUDA cores, one row per block, for decode,
+  where an expert hit holds one or two rows and a tensor-core tile would pad them to 16. Each
+  weight becomes an exact float32 ``q * s`` in two instructions and no per-nibble shift
+  (`_int4_fma_slice`: the nibble masked in place under the bits of 1.0f, then one multiply-add
+  with per-row constants), times the activation into a ``[BLOCK_N, 32]`` accumulator in the
+  words' own register layout, reduced once at the end; the next K step's words load while this
+  one's are used. Its weights are not rounded to the activation dtype (the dots' are), so it is
+  nearer the float64 reference, not bitwise equal to the dots.
 * ``_moe_count_kernel`` / ``_moe_place_kernel`` (`moe_align`): the S*k (token, choice) pairs of
   this rank's experts sorted by local expert into blocks of BLOCK_M rows, each block one expert,
   token order inside, padded with the sentinel ``S*k``; other ranks' pairs are in no block. Out:
@@ -67,7 +75,9 @@ expected rows per local expert, ``S*k / (8 * num_local)``: a rank of an 8-way sp
 (row blocks x N tiles x splits) cover 2x the SMs, each split >= 1 K step, then evened out (no
 empty splits); MoE counts as row blocks ``min(max_blocks, ceil(S*k/8), num_local)``, the experts
 a decode step hits (programs of unused blocks exit at once, so overestimating costs little).
-4 warps (8 at BLOCK_N 128), 4 stages (3 from BLOCK_M 64).
+4 warps (8 at BLOCK_N 128), 4 stages (3 from BLOCK_M 64). INT4 with at most FMA_MAX_ROWS
+expected rows per block (MoE: the pairs of each expert hit, ``ceil(S*k/8)`` local pairs over the
+experts they can hit; dense: the tokens) runs `_int4_fma_kernel`, a block per pair, BLOCK_N 64.
 
 Determinism and capture: no atomics anywhere (split-K partials and the k choices are summed in a
 fixed order), so equal inputs give bitwise equal outputs; grids come from shapes only and nothing
@@ -186,6 +196,25 @@ def _int4_step(X, x_rows, row_ok, stride_xm, W, S, rows, n_ok, ks, K, stride_wn,
     return acc_g, acc_u
 
 
+@triton.jit
+def _block_rows(SortedIds, BlockExpert, pid_m, offs_m, n_rows, num_pairs, ROWS: tl.constexpr, TOPK: tl.constexpr):
+    """Row block pid_m, rows offs_m (a tensor, or one row as a scalar) -> (expert (-1: an unused
+    MoE block), row_ok, x rows, out rows); ROWS as in `_quant_gemm_kernel`. Sentinel rows point
+    at x row 0 (their loads are masked)."""
+    if ROWS == 0:
+        expert = 0
+        row_ok = offs_m < n_rows
+        x_rows = offs_m
+        out_rows = offs_m
+    else:
+        expert = tl.load(BlockExpert + pid_m).to(tl.int64)
+        pair = tl.load(SortedIds + offs_m)
+        row_ok = pair < num_pairs
+        x_rows = pair // TOPK if ROWS == 1 else offs_m
+        out_rows = offs_m if ROWS == 1 else pair
+    return expert, row_ok, tl.where(row_ok, x_rows, 0).to(tl.int64), out_rows.to(tl.int64)
+
+
 # ---- kernels -----------------------------------------------------------------------------------
 
 @triton.jit
@@ -224,21 +253,11 @@ def _quant_gemm_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if ROWS == 0:
-        expert = 0
-        row_ok = offs_m < n_rows
-        x_rows = offs_m
-        out_rows = offs_m
-    else:
-        expert = tl.load(BlockExpert + pid_m).to(tl.int64)
-        if expert < 0:  # unused block
-            return
-        pair = tl.load(SortedIds + offs_m)
-        row_ok = pair < num_pairs
-        x_rows = pair // TOPK if ROWS == 1 else offs_m
-        out_rows = offs_m if ROWS == 1 else pair
-    x_rows = tl.where(row_ok, x_rows, 0).to(tl.int64)  # sentinel rows read nothing (masked) anyway
+    expert, row_ok, x_rows, out_rows = _block_rows(SortedIds, BlockExpert, pid_m,
+                                                   pid_m * BLOCK_M + tl.arange(0, BLOCK_M), n_rows, num_pairs,
+                                                   ROWS, TOPK)
+    if expert < 0:  # unused block
+        return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_base = W + expert * stride_we
@@ -281,6 +300,117 @@ def _quant_gemm_kernel(
     else:
         h = acc_g * tl.sigmoid(acc_g) * acc_u if SILU else acc_g
         tl.store(ptrs, h.to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _int4_fma_slice(words, lo, hi, i: tl.constexpr, S, r64, n_ok, k0, offs_k, stride_sn, n_groups,
+                    GROUP: tl.constexpr):
+    """Slice i of a step's words [BN, 32] as exact float32 weights q * s, without shifting each
+    nibble: its word (``lo = words << 8`` for slices 0-1, ``words`` for 2-4, ``hi = words >> 12``
+    for 5-7) puts nibble i at bit POS in {8, 12, 16}, and ``(bits & 0xF << POS) | 1.0f`` is the
+    float f = 1 + nibble * 2**(POS - 23). Then q * s = f * C + D with C = s * 2**(23 - POS) and
+    D = -s * (2**(23 - POS) + 8): both products are exact (POS >= 8 keeps f * C within float32's
+    24 bits), so the sum is exact too."""
+    if i < 2:
+        f = ((lo & (0xF << (8 + 4 * i))) | 0x3F800000).to(tl.float32, bitcast=True)
+    elif i < 5:
+        f = ((words & (0xF << (4 * i))) | 0x3F800000).to(tl.float32, bitcast=True)
+    else:
+        f = ((hi & (0xF << (4 * i - 12))) | 0x3F800000).to(tl.float32, bitcast=True)
+    if i == 0 or i == 2 or i == 5:  # POS 8
+        c_mul = 32768.0
+        d_mul = -32776.0
+    elif i == 1 or i == 3 or i == 6:  # POS 12
+        c_mul = 2048.0
+        d_mul = -2056.0
+    else:  # POS 16
+        c_mul = 128.0
+        d_mul = -136.0
+    if GROUP % 32 == 0:  # one group per slice: one scale per row
+        g = k0 // GROUP
+        s = tl.load(S + r64 * stride_sn + g, mask=n_ok & (g < n_groups), other=0.0).to(tl.float32)
+        w = f * (s * c_mul)[:, None] + (s * d_mul)[:, None]
+    else:
+        g = offs_k // GROUP
+        s = tl.load(S + r64[:, None] * stride_sn + g[None, :], mask=n_ok[:, None] & (g < n_groups)[None, :],
+                    other=0.0).to(tl.float32)
+        w = f * (s * c_mul) + s * d_mul
+    return w
+
+
+@triton.jit
+def _int4_fma_kernel(
+    X, W, WScale, Out, SortedIds, BlockExpert,
+    n_rows, N, K, num_pairs,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_os, stride_om,
+    up_row0, steps_per_split,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr, SILU: tl.constexpr, PARTIAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """INT4 (sliced layout) on the CUDA cores, one row per block (a decode step's experts hold one
+    or two): the program's (row, N tile, K split) as in `_quant_gemm_kernel`, with float32 weights
+    from `_int4_fma_slice` multiplied into a [BLOCK_N, 32] accumulator in the layout the words
+    were loaded in (one FMA per weight, no reduction until the epilogue): no tensor-core padding
+    of the row to 16 and no layout conversion of the dequantized tile."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    expert, row_ok, x_row, out_row = _block_rows(SortedIds, BlockExpert, pid_m, pid_m, n_rows, num_pairs, ROWS, TOPK)
+    if expert < 0:  # unused block
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    j = tl.arange(0, 32)
+    r_g = offs_n.to(tl.int64)
+    r_u = (up_row0 + offs_n).to(tl.int64)
+    w_base = W + expert * stride_we
+    s_base = WScale + expert * stride_se
+    x_base = X + x_row * stride_xm
+    n_groups = tl.cdiv(K, GROUP)
+    k_lo = pid_k * steps_per_split
+    k_hi = tl.minimum(k_lo + steps_per_split, tl.cdiv(K, 256))
+    acc_g = tl.zeros([BLOCK_N, 32], dtype=tl.float32)
+    acc_u = tl.zeros_like(acc_g)
+    ptr_g = w_base + r_g[:, None] * stride_wn + j[None, :]
+    ptr_u = w_base + r_u[:, None] * stride_wn + j[None, :]
+    # the next K step's words load while this one's are used (loads in flight through the math)
+    next_g = tl.load(ptr_g + k_lo * 32, mask=n_ok[:, None] & (k_lo < k_hi), other=0)
+    next_u = next_g
+    if SILU:
+        next_u = tl.load(ptr_u + k_lo * 32, mask=n_ok[:, None] & (k_lo < k_hi), other=0)
+    for ks in range(k_lo, k_hi):
+        words_g = next_g
+        words_u = next_u
+        next_g = tl.load(ptr_g + (ks + 1) * 32, mask=n_ok[:, None] & (ks + 1 < k_hi), other=0)
+        if SILU:
+            next_u = tl.load(ptr_u + (ks + 1) * 32, mask=n_ok[:, None] & (ks + 1 < k_hi), other=0)
+        lo_g = words_g << 8
+        hi_g = words_g >> 12
+        if SILU:
+            lo_u = words_u << 8
+            hi_u = words_u >> 12
+        for i in tl.static_range(8):
+            k0 = ks * 256 + i * 32
+            offs_k = k0 + j
+            x = tl.load(x_base + offs_k, mask=row_ok & (offs_k < K), other=0.0).to(tl.float32)[None, :]
+            acc_g += _int4_fma_slice(words_g, lo_g, hi_g, i, s_base, r_g, n_ok, k0, offs_k, stride_sn, n_groups,
+                                     GROUP) * x
+            if SILU:
+                acc_u += _int4_fma_slice(words_u, lo_u, hi_u, i, s_base, r_u, n_ok, k0, offs_k, stride_sn, n_groups,
+                                         GROUP) * x
+    g = tl.sum(acc_g, axis=1)  # [BLOCK_N]
+    out_ok = row_ok | (ROWS == 1)  # GEMM 1 defines its sentinel rows too (zeros)
+    mask = n_ok & out_ok
+    ptrs = Out + pid_k * stride_os + out_row * stride_om + offs_n
+    if PARTIAL:
+        tl.store(ptrs, g, mask=mask)
+        if SILU:
+            tl.store(ptrs + N, tl.sum(acc_u, axis=1), mask=mask)
+    else:
+        if SILU:
+            u = tl.sum(acc_u, axis=1)
+            g = g * tl.sigmoid(g) * u
+        tl.store(ptrs, g.to(Out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -400,14 +530,23 @@ class GemmConfig:
     swap_ab: bool = True    # weight tile as the dot's first operand (BLOCK_N is the MMA's M)
     prequant: bool = True   # FP8: quantize the activations in a separate launch, not per tile
 
+    @property
+    def fma(self) -> bool:
+        """Blocks of one row run `_int4_fma_kernel` (INT4 only), blocks of 16 or more the dots."""
+        return self.block_m == 1
+
     def k_step(self, fmt: str) -> int:
         return self.block_k or (INT4_STEP if fmt == "int4" else FP8_BLOCK)
 
     def check(self, fmt: str) -> None:
-        for name in ("block_m", "block_n"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        bm, bn = self.block_m, self.block_n
+        if not (bm == 1 or bm >= 16) or bm & (bm - 1) or bn < 16 or bn & (bn - 1):
+            raise ValueError(f"block_m (1, or 16 and up) and block_n (16 and up) must each be a power of two, "
+                             f"got {self.block_m}, {self.block_n}")
+        if self.fma and fmt != "int4":
+            raise ValueError(f"block_m 1 (the CUDA-core kernel) is INT4 only, got it for {fmt}")
+        if self.fma and not self.swap_ab:
+            raise ValueError("the CUDA-core kernel (block_m 1) has one operand order: swap_ab must stay on")
         if fmt == "fp8" and self.k_step(fmt) != FP8_BLOCK:
             raise ValueError(f"FP8 GEMMs step K by the {FP8_BLOCK}-wide scale blocks; block_k {self.block_k}")
         if fmt == "int4" and self.k_step(fmt) != INT4_STEP:
@@ -432,13 +571,19 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+FMA_MAX_ROWS = 1  # INT4 with up to this many rows per block (expected) runs one row per block on the CUDA cores
+
+
 def gemm_config(rows: float, n: int, k: int, sms: int, *, row_blocks: int | None = None,
                 fmt: str = "fp8") -> GemmConfig:
     """The heuristic of the module doc: tiles from the rows a block holds (dense: all M rows),
     split-K from the expected programs (row blocks, default ceil(rows / BLOCK_M), x N tiles)
-    against TARGET_WAVES x sms."""
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_n = 64 if block_m <= 32 else 128
+    against TARGET_WAVES x sms. INT4 at up to FMA_MAX_ROWS rows: the CUDA-core kernel, a row a block."""
+    if fmt == "int4" and rows <= FMA_MAX_ROWS:
+        block_m, block_n = 1, 64
+    else:
+        block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+        block_n = 64 if block_m <= 32 else 128
     block_k = INT4_STEP if fmt == "int4" else FP8_BLOCK
     k_steps = triton.cdiv(k, block_k)
     programs = (row_blocks or triton.cdiv(max(int(rows), 1), block_m)) * triton.cdiv(n, block_n)
@@ -451,12 +596,19 @@ def gemm_config(rows: float, n: int, k: int, sms: int, *, row_blocks: int | None
 
 def moe_config(tokens: int, topk: int, num_local: int, hidden: int, intermediate: int,
                sms: int, fmt: str = "fp8") -> tuple[GemmConfig, GemmConfig]:
-    """(GEMM 1, GEMM 2) launches of `fused_moe` (module doc); both share BLOCK_M (the sort's)."""
+    """(GEMM 1, GEMM 2) launches of `fused_moe` (module doc); both share BLOCK_M (the sort's).
+    The rows a block holds: the pairs of each expert hit, about 1 of 8 pairs on this rank (an
+    8-way split) over the experts they hit; for the dots' blocks of 16+ rows, the rows per local
+    expert."""
     pairs = tokens * topk
-    rows_per_expert = pairs / (8 * max(num_local, 1))
-    blocks = max(1, min(triton.cdiv(pairs, 8), num_local))  # <= max_blocks
-    return (gemm_config(rows_per_expert, intermediate, hidden, sms, row_blocks=blocks, fmt=fmt),
-            gemm_config(rows_per_expert, hidden, intermediate, sms, row_blocks=blocks, fmt=fmt))
+    local_pairs = max(1, triton.cdiv(pairs, 8))
+    rows_per_hit = local_pairs / min(local_pairs, max(num_local, 1))
+    if fmt == "int4" and rows_per_hit <= FMA_MAX_ROWS:
+        blocks, rows = local_pairs, rows_per_hit  # a block per pair
+    else:
+        blocks, rows = max(1, min(local_pairs, num_local)), pairs / (8 * max(num_local, 1))  # <= max_blocks
+    return (gemm_config(rows, intermediate, hidden, sms, row_blocks=blocks, fmt=fmt),
+            gemm_config(rows, hidden, intermediate, sms, row_blocks=blocks, fmt=fmt))
 
 
 def _max_blocks(pairs: int, block_m: int, num_local: int) -> int:
@@ -544,6 +696,15 @@ def _gemm(x, fmt, w, ws, cfg: GemmConfig, out, *, n_cols, k, group_size, silu, u
     grid = (row_blocks, triton.cdiv(n_cols, cfg.block_n), cfg.split_k)
     partial = cfg.split_k > 1
     dummy = sorted_ids if sorted_ids is not None else x  # unused pointers (ROWS 0)
+    if cfg.fma:
+        _int4_fma_kernel[grid](
+            x, w, ws, out, dummy, block_expert if block_expert is not None else dummy,
+            n_rows, n_cols, k, num_pairs,
+            x.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
+            out.stride(0) if partial else 0, out.stride(-2), up_row0, steps,
+            GROUP=group_size, ROWS=rows_mode, TOPK=topk, SILU=silu, PARTIAL=partial,
+            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return
     _quant_gemm_kernel[grid](
         x, xs, w, ws, out, dummy, block_expert if block_expert is not None else dummy,
         n_rows, n_cols, k, num_pairs,
