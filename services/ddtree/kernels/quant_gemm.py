@@ -42,8 +42,7 @@ Kernels:
   weight becomes an exact float32 ``q * s`` in two instructions and no per-nibble shift
   (`_int4_fma_slice`: the nibble masked in place under the bits of 1.0f, then one multiply-add
   with per-row constants), times the activation into a ``[BLOCK_N, 32]`` accumulator in the
-  words' own register layout, reduced once at the end; the next K step's words load while this
-  one's are used. Its weights are not rounded to the activation dtype (the dots' are), so it is
+  words' own register layout, reduced once at the end. Its weights are not rounded to the activation dtype (the dots' are), so it is
   nearer the float64 reference, not bitwise equal to the dots.
 * ``_moe_count_kernel`` / ``_moe_place_kernel`` (`moe_align`): the S*k (token, choice) pairs of
   this rank's experts sorted by local expert into blocks of BLOCK_M rows, each block one expert,
@@ -371,22 +370,13 @@ def _int4_fma_kernel(
     k_hi = tl.minimum(k_lo + steps_per_split, tl.cdiv(K, 256))
     acc_g = tl.zeros([BLOCK_N, 32], dtype=tl.float32)
     acc_u = tl.zeros_like(acc_g)
-    ptr_g = w_base + r_g[:, None] * stride_wn + j[None, :]
-    ptr_u = w_base + r_u[:, None] * stride_wn + j[None, :]
-    # the next K step's words load while this one's are used (loads in flight through the math)
-    next_g = tl.load(ptr_g + k_lo * 32, mask=n_ok[:, None] & (k_lo < k_hi), other=0)
-    next_u = next_g
-    if SILU:
-        next_u = tl.load(ptr_u + k_lo * 32, mask=n_ok[:, None] & (k_lo < k_hi), other=0)
     for ks in range(k_lo, k_hi):
-        words_g = next_g
-        words_u = next_u
-        next_g = tl.load(ptr_g + (ks + 1) * 32, mask=n_ok[:, None] & (ks + 1 < k_hi), other=0)
-        if SILU:
-            next_u = tl.load(ptr_u + (ks + 1) * 32, mask=n_ok[:, None] & (ks + 1 < k_hi), other=0)
+        words_g = tl.load(w_base + r_g[:, None] * stride_wn + (ks * 32 + j)[None, :], mask=n_ok[:, None], other=0)
         lo_g = words_g << 8
         hi_g = words_g >> 12
         if SILU:
+            words_u = tl.load(w_base + r_u[:, None] * stride_wn + (ks * 32 + j)[None, :], mask=n_ok[:, None],
+                              other=0)
             lo_u = words_u << 8
             hi_u = words_u >> 12
         for i in tl.static_range(8):
