@@ -42,8 +42,9 @@ Kernels:
   weight becomes an exact float32 ``q * s`` in two instructions and no per-nibble shift
   (`_int4_fma_slice`: the nibble masked in place under the bits of 1.0f, then one multiply-add
   with per-row constants), times the activation into a ``[BLOCK_N, 32]`` accumulator in the
-  words' own register layout, reduced once at the end. Its weights are not rounded to the activation dtype (the dots' are), so it is
-  nearer the float64 reference, not bitwise equal to the dots.
+  words' own register layout, reduced once at the end. Its weights are not rounded to the
+  activation dtype (the dots' are), so it is nearer the float64 reference, not bitwise equal to
+  the dots.
 * ``_moe_count_kernel`` / ``_moe_place_kernel`` (`moe_align`): the S*k (token, choice) pairs of
   this rank's experts sorted by local expert into blocks of BLOCK_M rows, each block one expert,
   token order inside, padded with the sentinel ``S*k``; other ranks' pairs are in no block. Out:
@@ -107,6 +108,9 @@ _FP8_EPS = tl.constexpr(FP8_EPS)
 _TWO23_BITS = tl.constexpr(0x4B000000)  # float32 2**23; its bits | v are the float 2**23 + v (v < 2**23)
 _TWO23_PLUS8 = tl.constexpr(8388616.0)  # 2**23 + 8: (2**23 + nibble) - this = nibble - 8, exactly
 _ACT_DTYPES = (torch.bfloat16, torch.float16)
+# float32 1.0's bits, passed to _int4_fma_kernel as a runtime value: ``(bits & mask) | one_bits`` is
+# then one LOP3 (mask immediate, one_bits in a register); with both immediates it is two
+_ONE_BITS = 0x3F800000
 
 
 # ---- shared jit helpers ------------------------------------------------------------------------
@@ -155,19 +159,25 @@ def _load_x(X, x_rows, row_ok, stride_xm, offs_k, K, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _int4_slice(words, i: tl.constexpr, S, r64, n_ok, k0, offs_k, stride_sn, n_groups, GROUP: tl.constexpr, dtype):
-    """Slice i (columns k0 .. k0+31) of a step's words [BN, 32], dequantized to dtype [BN, 32]."""
-    nib = (words >> (4 * i)) & 0xF  # the mask undoes the arithmetic shift's sign fill
-    q = (nib | _TWO23_BITS).to(tl.float32, bitcast=True) - _TWO23_PLUS8  # nibble - 8 without int->float
-    if GROUP % 32 == 0:  # one group per slice: one scale per row
+def _int4_scale(S, r64, n_ok, k0, offs_k, stride_sn, n_groups, GROUP: tl.constexpr):
+    """float32 scales of a slice (columns k0 .. k0+31) for rows r64: [BN, 1] when GROUP is a
+    multiple of 32 (one group per slice: one scale per row), else [BN, 32], one per column."""
+    if GROUP % 32 == 0:
         g = k0 // GROUP
-        s = tl.load(S + r64 * stride_sn + g, mask=n_ok & (g < n_groups), other=0.0).to(tl.float32)
-        w = q * s[:, None]
+        s = tl.load(S + r64 * stride_sn + g, mask=n_ok & (g < n_groups), other=0.0).to(tl.float32)[:, None]
     else:
         g = offs_k // GROUP
         s = tl.load(S + r64[:, None] * stride_sn + g[None, :], mask=n_ok[:, None] & (g < n_groups)[None, :],
                     other=0.0).to(tl.float32)
-        w = q * s
+    return s
+
+
+@triton.jit
+def _int4_slice(words, i: tl.constexpr, S, r64, n_ok, k0, offs_k, stride_sn, n_groups, GROUP: tl.constexpr, dtype):
+    """Slice i (columns k0 .. k0+31) of a step's words [BN, 32], dequantized to dtype [BN, 32]."""
+    nib = (words >> (4 * i)) & 0xF  # the mask undoes the arithmetic shift's sign fill
+    q = (nib | _TWO23_BITS).to(tl.float32, bitcast=True) - _TWO23_PLUS8  # nibble - 8 without int->float
+    w = q * _int4_scale(S, r64, n_ok, k0, offs_k, stride_sn, n_groups, GROUP)
     return w.to(dtype)  # exact product, rounded once: the dequantized weight
 
 
@@ -270,11 +280,11 @@ def _quant_gemm_kernel(
     if SWAP:  # accumulators [BLOCK_N, BLOCK_M]
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         mask = n_ok[:, None] & out_ok[None, :]
-        ptrs = Out + pid_k * stride_os + out_rows.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        ptrs = Out + pid_k * stride_os + out_rows[None, :] * stride_om + offs_n[:, None]
     else:  # [BLOCK_M, BLOCK_N]
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         mask = out_ok[:, None] & n_ok[None, :]
-        ptrs = Out + pid_k * stride_os + out_rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        ptrs = Out + pid_k * stride_os + out_rows[:, None] * stride_om + offs_n[None, :]
     acc_u = tl.zeros_like(acc_g)
     for ks in range(k_lo, k_hi):
         if FP8:
@@ -302,8 +312,21 @@ def _quant_gemm_kernel(
 
 
 @triton.jit
-def _int4_fma_slice(words, lo, hi, i: tl.constexpr, S, r64, n_ok, k0, offs_k, stride_sn, n_groups,
-                    GROUP: tl.constexpr):
+def _int4_step_scales(S, r64, n_ok, ks, stride_sn, n_groups, GROUP: tl.constexpr):
+    """The 8 slices' scales of K step ks ([BN, 1] float32 each; GROUP a multiple of 32)."""
+    k0 = ks * 256
+    return (_int4_scale(S, r64, n_ok, k0, k0, stride_sn, n_groups, GROUP),
+            _int4_scale(S, r64, n_ok, k0 + 32, k0, stride_sn, n_groups, GROUP),
+            _int4_scale(S, r64, n_ok, k0 + 64, k0, stride_sn, n_groups, GROUP),
+            _int4_scale(S, r64, n_ok, k0 + 96, k0, stride_sn, n_groups, GROUP),
+            _int4_scale(S, r64, n_ok, k0 + 128, k0, stride_sn, n_groups, GROUP),
+            _int4_scale(S, r64, n_ok, k0 + 160, k0, stride_sn, n_groups, GROUP),
+            _int4_scale(S, r64, n_ok, k0 + 192, k0, stride_sn, n_groups, GROUP),
+            _int4_scale(S, r64, n_ok, k0 + 224, k0, stride_sn, n_groups, GROUP))
+
+
+@triton.jit
+def _int4_fma_slice(words, lo, hi, one_bits, i: tl.constexpr, s):
     """Slice i of a step's words [BN, 32] as exact float32 weights q * s, without shifting each
     nibble: its word (``lo = words << 8`` for slices 0-1, ``words`` for 2-4, ``hi = words >> 12``
     for 5-7) puts nibble i at bit POS in {8, 12, 16}, and ``(bits & 0xF << POS) | 1.0f`` is the
@@ -311,11 +334,11 @@ def _int4_fma_slice(words, lo, hi, i: tl.constexpr, S, r64, n_ok, k0, offs_k, st
     D = -s * (2**(23 - POS) + 8): both products are exact (POS >= 8 keeps f * C within float32's
     24 bits), so the sum is exact too."""
     if i < 2:
-        f = ((lo & (0xF << (8 + 4 * i))) | 0x3F800000).to(tl.float32, bitcast=True)
+        f = ((lo & (0xF << (8 + 4 * i))) | one_bits).to(tl.float32, bitcast=True)
     elif i < 5:
-        f = ((words & (0xF << (4 * i))) | 0x3F800000).to(tl.float32, bitcast=True)
+        f = ((words & (0xF << (4 * i))) | one_bits).to(tl.float32, bitcast=True)
     else:
-        f = ((hi & (0xF << (4 * i - 12))) | 0x3F800000).to(tl.float32, bitcast=True)
+        f = ((hi & (0xF << (4 * i - 12))) | one_bits).to(tl.float32, bitcast=True)
     if i == 0 or i == 2 or i == 5:  # POS 8
         c_mul = 32768.0
         d_mul = -32776.0
@@ -325,16 +348,7 @@ def _int4_fma_slice(words, lo, hi, i: tl.constexpr, S, r64, n_ok, k0, offs_k, st
     else:  # POS 16
         c_mul = 128.0
         d_mul = -136.0
-    if GROUP % 32 == 0:  # one group per slice: one scale per row
-        g = k0 // GROUP
-        s = tl.load(S + r64 * stride_sn + g, mask=n_ok & (g < n_groups), other=0.0).to(tl.float32)
-        w = f * (s * c_mul)[:, None] + (s * d_mul)[:, None]
-    else:
-        g = offs_k // GROUP
-        s = tl.load(S + r64[:, None] * stride_sn + g[None, :], mask=n_ok[:, None] & (g < n_groups)[None, :],
-                    other=0.0).to(tl.float32)
-        w = f * (s * c_mul) + s * d_mul
-    return w
+    return f * (s * c_mul) + s * d_mul
 
 
 @triton.jit
@@ -342,7 +356,7 @@ def _int4_fma_kernel(
     X, W, WScale, Out, SortedIds, BlockExpert,
     n_rows, N, K, num_pairs,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_os, stride_om,
-    up_row0, steps_per_split,
+    up_row0, steps_per_split, one_bits,
     GROUP: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr, SILU: tl.constexpr, PARTIAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -370,24 +384,52 @@ def _int4_fma_kernel(
     k_hi = tl.minimum(k_lo + steps_per_split, tl.cdiv(K, 256))
     acc_g = tl.zeros([BLOCK_N, 32], dtype=tl.float32)
     acc_u = tl.zeros_like(acc_g)
+    ptrs_g = w_base + r_g[:, None] * stride_wn + j[None, :]
+    ptrs_u = w_base + r_u[:, None] * stride_wn + j[None, :]
+    # software pipelining by one K step: step ks computes on the words (and, with one scale per
+    # row and slice, the scales) loaded during step ks - 1, while step ks + 1's are in flight
+    next_g = tl.load(ptrs_g + k_lo * 32, mask=n_ok[:, None] & (k_lo < k_hi), other=0)
+    next_u = next_g
+    if SILU:
+        next_u = tl.load(ptrs_u + k_lo * 32, mask=n_ok[:, None] & (k_lo < k_hi), other=0)
+    SCALES_AHEAD: tl.constexpr = GROUP % 32 == 0
+    if SCALES_AHEAD:
+        next_sg = _int4_step_scales(s_base, r_g, n_ok, k_lo, stride_sn, n_groups, GROUP)
+        next_su = next_sg
+        if SILU:
+            next_su = _int4_step_scales(s_base, r_u, n_ok, k_lo, stride_sn, n_groups, GROUP)
     for ks in range(k_lo, k_hi):
-        words_g = tl.load(w_base + r_g[:, None] * stride_wn + (ks * 32 + j)[None, :], mask=n_ok[:, None], other=0)
+        words_g = next_g
+        words_u = next_u
+        next_g = tl.load(ptrs_g + (ks + 1) * 32, mask=n_ok[:, None] & (ks + 1 < k_hi), other=0)
+        if SILU:
+            next_u = tl.load(ptrs_u + (ks + 1) * 32, mask=n_ok[:, None] & (ks + 1 < k_hi), other=0)
+        if SCALES_AHEAD:
+            sg = next_sg
+            su = next_su
+            next_sg = _int4_step_scales(s_base, r_g, n_ok, ks + 1, stride_sn, n_groups, GROUP)
+            if SILU:
+                next_su = _int4_step_scales(s_base, r_u, n_ok, ks + 1, stride_sn, n_groups, GROUP)
         lo_g = words_g << 8
         hi_g = words_g >> 12
         if SILU:
-            words_u = tl.load(w_base + r_u[:, None] * stride_wn + (ks * 32 + j)[None, :], mask=n_ok[:, None],
-                              other=0)
             lo_u = words_u << 8
             hi_u = words_u >> 12
         for i in tl.static_range(8):
             k0 = ks * 256 + i * 32
             offs_k = k0 + j
             x = tl.load(x_base + offs_k, mask=row_ok & (offs_k < K), other=0.0).to(tl.float32)[None, :]
-            acc_g += _int4_fma_slice(words_g, lo_g, hi_g, i, s_base, r_g, n_ok, k0, offs_k, stride_sn, n_groups,
-                                     GROUP) * x
+            if SCALES_AHEAD:
+                s_g = sg[i]
+            else:
+                s_g = _int4_scale(s_base, r_g, n_ok, k0, offs_k, stride_sn, n_groups, GROUP)
+            acc_g += _int4_fma_slice(words_g, lo_g, hi_g, one_bits, i, s_g) * x
             if SILU:
-                acc_u += _int4_fma_slice(words_u, lo_u, hi_u, i, s_base, r_u, n_ok, k0, offs_k, stride_sn, n_groups,
-                                         GROUP) * x
+                if SCALES_AHEAD:
+                    s_u = su[i]
+                else:
+                    s_u = _int4_scale(s_base, r_u, n_ok, k0, offs_k, stride_sn, n_groups, GROUP)
+                acc_u += _int4_fma_slice(words_u, lo_u, hi_u, one_bits, i, s_u) * x
     g = tl.sum(acc_g, axis=1)  # [BLOCK_N]
     out_ok = row_ok | (ROWS == 1)  # GEMM 1 defines its sentinel rows too (zeros)
     mask = n_ok & out_ok
@@ -561,6 +603,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+FMA_BLOCK_N = 16  # H200 sweep, 1-16 tokens (benchmarks/results/h200/quantized_moe_fma.txt)
 FMA_MAX_ROWS = 1  # INT4 with up to this many rows per block (expected) runs one row per block on the CUDA cores
 
 
@@ -570,7 +613,7 @@ def gemm_config(rows: float, n: int, k: int, sms: int, *, row_blocks: int | None
     split-K from the expected programs (row blocks, default ceil(rows / BLOCK_M), x N tiles)
     against TARGET_WAVES x sms. INT4 at up to FMA_MAX_ROWS rows: the CUDA-core kernel, a row a block."""
     if fmt == "int4" and rows <= FMA_MAX_ROWS:
-        block_m, block_n = 1, 64
+        block_m, block_n = 1, FMA_BLOCK_N
     else:
         block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
         block_n = 64 if block_m <= 32 else 128
@@ -691,7 +734,7 @@ def _gemm(x, fmt, w, ws, cfg: GemmConfig, out, *, n_cols, k, group_size, silu, u
             x, w, ws, out, dummy, block_expert if block_expert is not None else dummy,
             n_rows, n_cols, k, num_pairs,
             x.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
-            out.stride(0) if partial else 0, out.stride(-2), up_row0, steps,
+            out.stride(0) if partial else 0, out.stride(-2), up_row0, steps, _ONE_BITS,
             GROUP=group_size, ROWS=rows_mode, TOPK=topk, SILU=silu, PARTIAL=partial,
             BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return
