@@ -75,9 +75,11 @@ expected rows per local expert, ``S*k / (8 * num_local)``: a rank of an 8-way sp
 (row blocks x N tiles x splits) cover 2x the SMs, each split >= 1 K step, then evened out (no
 empty splits); MoE counts as row blocks ``min(max_blocks, ceil(S*k/8), num_local)``, the experts
 a decode step hits (programs of unused blocks exit at once, so overestimating costs little).
-4 warps (8 at BLOCK_N 128), 4 stages (3 from BLOCK_M 64). INT4 with at most FMA_MAX_ROWS
-expected rows per block (MoE: the pairs of each expert hit, ``ceil(S*k/8)`` local pairs over the
-experts they can hit; dense: the tokens) runs `_int4_fma_kernel`, a block per pair, BLOCK_N 64.
+4 warps (8 at BLOCK_N 128), 4 stages (3 from BLOCK_M 64). INT4 runs `_int4_fma_kernel` (a
+block per row, BLOCK_N FMA_BLOCK_N) for dense GEMMs of at most FMA_MAX_ROWS rows and for MoE
+steps whose ``ceil(S*k/8)`` local pairs are expected at most FMA_MAX_PAIRS_PER_HIT per expert
+hit under uniform routing (it reads an expert once per pair, the dots once per expert hit): on
+a TP8 rank of Kimi-K2 (48 local experts), decode up to 23 tokens.
 
 Determinism and capture: no atomics anywhere (split-K partials and the k choices are summed in a
 fixed order), so equal inputs give bitwise equal outputs; grids come from shapes only and nothing
@@ -604,15 +606,22 @@ def _pow2(n: int) -> int:
 
 
 FMA_BLOCK_N = 16  # H200 sweep, 1-16 tokens (benchmarks/results/h200/quantized_moe_fma.txt)
-FMA_MAX_ROWS = 1  # INT4 with up to this many rows per block (expected) runs one row per block on the CUDA cores
+FMA_MAX_ROWS = 1  # dense INT4 with up to this many rows runs the CUDA-core kernel
+# MoE INT4 runs it while the expected pairs per expert hit stay within this: it reads an expert once
+# per pair, the dots once per expert hit (H200: it wins at 16-17 tokens on a TP8 rank, 1.18-1.25
+# expected, and loses at 33 and 64, 1.37 and 1.78; benchmarks/results/h200/quantized_moe_fma.txt)
+FMA_MAX_PAIRS_PER_HIT = 1.25
 
 
 def gemm_config(rows: float, n: int, k: int, sms: int, *, row_blocks: int | None = None,
-                fmt: str = "fp8") -> GemmConfig:
+                fmt: str = "fp8", fma: bool | None = None) -> GemmConfig:
     """The heuristic of the module doc: tiles from the rows a block holds (dense: all M rows),
     split-K from the expected programs (row blocks, default ceil(rows / BLOCK_M), x N tiles)
-    against TARGET_WAVES x sms. INT4 at up to FMA_MAX_ROWS rows: the CUDA-core kernel, a row a block."""
-    if fmt == "int4" and rows <= FMA_MAX_ROWS:
+    against TARGET_WAVES x sms. ``fma``: the CUDA-core kernel, a row a block (INT4 only; default:
+    INT4 at up to FMA_MAX_ROWS rows)."""
+    if fma is None:
+        fma = fmt == "int4" and rows <= FMA_MAX_ROWS
+    if fma:
         block_m, block_n = 1, FMA_BLOCK_N
     else:
         block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
@@ -630,18 +639,21 @@ def gemm_config(rows: float, n: int, k: int, sms: int, *, row_blocks: int | None
 def moe_config(tokens: int, topk: int, num_local: int, hidden: int, intermediate: int,
                sms: int, fmt: str = "fp8") -> tuple[GemmConfig, GemmConfig]:
     """(GEMM 1, GEMM 2) launches of `fused_moe` (module doc); both share BLOCK_M (the sort's).
-    The rows a block holds: the pairs of each expert hit, about 1 of 8 pairs on this rank (an
-    8-way split) over the experts they hit; for the dots' blocks of 16+ rows, the rows per local
-    expert."""
+    The pairs on this rank: about 1 of 8 (an 8-way split). INT4 runs the CUDA-core kernel, a
+    block per pair, while the pairs per expert hit (uniform routing: ``P / (E (1 - (1 - 1/E)^P))``
+    for P pairs over E local experts) stay within FMA_MAX_PAIRS_PER_HIT; the dots' blocks of 16+
+    rows get the rows per local expert."""
     pairs = tokens * topk
     local_pairs = max(1, triton.cdiv(pairs, 8))
-    rows_per_hit = local_pairs / min(local_pairs, max(num_local, 1))
-    if fmt == "int4" and rows_per_hit <= FMA_MAX_ROWS:
-        blocks, rows = local_pairs, rows_per_hit  # a block per pair
+    experts = max(num_local, 1)
+    pairs_per_hit = local_pairs / (experts * (1 - (1 - 1 / experts) ** local_pairs))
+    fma = fmt == "int4" and pairs_per_hit <= FMA_MAX_PAIRS_PER_HIT
+    if fma:
+        blocks, rows = local_pairs, 1  # a block per pair
     else:
-        blocks, rows = max(1, min(local_pairs, num_local)), pairs / (8 * max(num_local, 1))  # <= max_blocks
-    return (gemm_config(rows, intermediate, hidden, sms, row_blocks=blocks, fmt=fmt),
-            gemm_config(rows, hidden, intermediate, sms, row_blocks=blocks, fmt=fmt))
+        blocks, rows = max(1, min(local_pairs, num_local)), pairs / (8 * experts)  # <= max_blocks
+    return (gemm_config(rows, intermediate, hidden, sms, row_blocks=blocks, fmt=fmt, fma=fma),
+            gemm_config(rows, hidden, intermediate, sms, row_blocks=blocks, fmt=fmt, fma=fma))
 
 
 def _max_blocks(pairs: int, block_m: int, num_local: int) -> int:
