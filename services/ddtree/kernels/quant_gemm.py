@@ -42,7 +42,8 @@ Kernels:
   weight becomes an exact float32 ``q * s`` in two instructions and no per-nibble shift
   (`_int4_fma_slice`: the nibble masked in place under the bits of 1.0f, then one multiply-add
   with per-row constants), times the activation into a ``[BLOCK_N, 32]`` accumulator in the
-  words' own register layout, reduced once at the end. Its weights are not rounded to the
+  words' own register layout, reduced once at the end; the next K step's words (and, with one
+  scale per row and slice, its scales) load while this step computes. Its weights are not rounded to the
   activation dtype (the dots' are), so it is nearer the float64 reference, not bitwise equal to
   the dots.
 * ``_moe_count_kernel`` / ``_moe_place_kernel`` (`moe_align`): the S*k (token, choice) pairs of
@@ -608,8 +609,9 @@ def _pow2(n: int) -> int:
 FMA_BLOCK_N = 16  # H200 sweep, 1-16 tokens (benchmarks/results/h200/quantized_moe_fma.txt)
 FMA_MAX_ROWS = 1  # dense INT4 with up to this many rows runs the CUDA-core kernel
 # MoE INT4 runs it while the expected pairs per expert hit stay within this: it reads an expert once
-# per pair, the dots once per expert hit (H200: it wins at 16-17 tokens on a TP8 rank, 1.18-1.25
-# expected, and loses at 33 and 64, 1.37 and 1.78; benchmarks/results/h200/quantized_moe_fma.txt)
+# per pair, the dots once per expert hit (H200, a TP8 rank of 48 experts: it wins at 16-17 tokens,
+# 1.17-1.18 expected, and loses at 33 and 64, 1.37 and 1.80; benchmarks/results/h200/
+# kimi_rank_int4_fma.txt and quantized_moe_fma.txt)
 FMA_MAX_PAIRS_PER_HIT = 1.25
 
 
@@ -651,7 +653,7 @@ def moe_config(tokens: int, topk: int, num_local: int, hidden: int, intermediate
     if fma:
         blocks, rows = local_pairs, 1  # a block per pair
     else:
-        blocks, rows = max(1, min(local_pairs, num_local)), pairs / (8 * experts)  # <= max_blocks
+        blocks, rows = min(local_pairs, experts), pairs / (8 * experts)  # <= max_blocks
     return (gemm_config(rows, intermediate, hidden, sms, row_blocks=blocks, fmt=fmt, fma=fma),
             gemm_config(rows, hidden, intermediate, sms, row_blocks=blocks, fmt=fmt, fma=fma))
 
