@@ -226,7 +226,8 @@ def part_verify(report: Report, target: LocalTarget, router: str, bandwidth: flo
 
 # ---- profile part -------------------------------------------------------------------------------
 CATEGORIES = (  # (label, substrings of kernel names), first match wins
-    ("routed experts (fused MoE)", ("_quant_gemm", "_moe_", "_splitk_reduce", "_quantize_fp8")),
+    ("routed experts (fused MoE)", ("_quant_gemm", "_int4_fma", "int4_gemm_kernel", "_moe_", "_splitk_reduce",
+                                    "_quantize_fp8")),
     ("compiled glue (inductor)", ("triton_poi", "triton_red", "triton_per")),
     ("dense GEMM/GEMV (bf16)", ("nvjet", "gemv", "gemm", "cutlass", "xmma", "sgemm")),
     ("attention", ("decode_cluster", "verify_cluster", "_decode_fwd", "_verify_fwd", "attn", "wgmma")),

@@ -36,11 +36,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ddtree.kernels import int4_moe
 from ddtree.kernels import quant_gemm as qg
 from ddtree.kernels.quant_gemm import GemmConfig
 from ddtree.models.quant import dequantize_fp8_block, quantize_fp8_block
 
-GEMM_KERNELS = ("_quant_gemm_kernel", "_int4_fma_kernel")
+GEMM_KERNELS = ("_quant_gemm_kernel", "_int4_fma_kernel", "int4_gemm_kernel")
 DENSE_SHAPES = [  # (name, out, in, silu): one Kimi-K2 layer's FP8 linears on a TP8 rank
     ("q_a_proj", 1536, 7168, False), ("q_b_proj", 1536, 1536, False), ("kv_a_proj_with_mqa", 576, 7168, False),
     ("o_proj", 7168, 1024, False), ("shared_gate_up", 512, 7168, True), ("shared_down", 7168, 256, False),
@@ -120,13 +121,21 @@ def copy_bandwidth(device) -> float:
 # ---- MoE -----------------------------------------------------------------------------------------
 
 class Experts:
-    """Random routed experts of one rank in one format (bf16, fp8, int4), stored as the kernels take them."""
+    """Random routed experts of one rank in one format, stored as the kernels take them: bf16, fp8,
+    int4 (what the model runs: kernels.int4_moe's tensor-core kernel) or int4-triton (quant_gemm's
+    Triton kernels on the sliced layout, side by side)."""
 
     def __init__(self, fmt: str, num_local: int, hidden: int, inter: int, group: int, device, gen):
         self.fmt, self.num_local, self.hidden, self.inter, self.group = fmt, num_local, hidden, inter, group
         std = 0.02
         self.w13 = self._stack([2 * inter, hidden], std, device, gen, parts=2)
         self.w2 = self._stack([hidden, inter], std, device, gen, parts=1)
+        if fmt == "int4":
+            w13, w13s, w2, w2s = int4_moe.repack_experts(*self.w13, *self.w2, hidden=hidden, intermediate=inter,
+                                                         group_size=group)
+            self.w13, self.w2 = (w13, w13s), (w2, w2s)
+        elif fmt == "int4-triton":
+            self.w13, self.w2 = qg.int4_repack(*self.w13), qg.int4_repack(*self.w2)
 
     def _stack(self, shape, std, device, gen, parts):
         n, k = shape
@@ -145,7 +154,7 @@ class Experts:
         data = torch.randint(-2**31, 2**31, (e, n, math.ceil(k / 8)), device=device, generator=gen,
                              dtype=torch.int64).to(torch.int32)  # uniform nibbles: std ~4.61
         scale = torch.full((e, n, math.ceil(k / self.group)), std / 4.61, dtype=torch.bfloat16, device=device)
-        return qg.int4_repack(data, scale)
+        return data, scale  # the checkpoint's layout
 
     def bytes_per_expert(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in (*self.w13, *self.w2))
@@ -153,7 +162,11 @@ class Experts:
     def call(self, x, weights, ids, first_expert, config=None):
         if self.fmt == "bf16":
             return grouped_bf16(x, weights, ids, self.w13[0], self.w2[0], first_expert, self.num_local)
-        return qg.fused_moe(x, weights, ids, self.fmt, *self.w13, *self.w2, first_expert=first_expert,
+        if self.fmt == "int4":
+            return int4_moe.fused_moe_int4(x, weights, ids, *self.w13, *self.w2, first_expert=first_expert,
+                                           num_local=self.num_local, intermediate=self.inter)
+        fmt = "int4" if self.fmt == "int4-triton" else self.fmt
+        return qg.fused_moe(x, weights, ids, fmt, *self.w13, *self.w2, first_expert=first_expert,
                             num_local=self.num_local, intermediate=self.inter, group_size=self.group, config=config)
 
 
@@ -209,7 +222,7 @@ def run_moe(report: Report, experts: dict, args, copy_bw: float, device) -> dict
     """The MoE table; returns {(fmt, tokens): (step us, gemm us, bytes per step)}."""
     gen = torch.Generator(device=device).manual_seed(args.seed)
     flops_per_pair = 2 * (2 * args.inter * args.hidden + args.hidden * args.inter)
-    report(f"{'tokens':>6} {'hit':>5} {'pairs':>6} {'format':>6} {'step us':>9} {'gemm us':>9} {'MB/step':>8} "
+    report(f"{'tokens':>6} {'hit':>5} {'pairs':>6} {'format':>11} {'step us':>9} {'gemm us':>9} {'MB/step':>8} "
            f"{'TB/s step':>9} {'TB/s gemm':>9} {'frac gemm':>9} {'TFLOP/s':>8}")
     results = {}
     for tokens in args.tokens:
@@ -222,7 +235,7 @@ def run_moe(report: Report, experts: dict, args, copy_bw: float, device) -> dict
             gemm = kernel_time_us(fns, is_gemm_kernel(fmt))
             nbytes = hit * ex.bytes_per_expert()
             results[(fmt, tokens)] = (step, gemm, nbytes)
-            report(f"{tokens:>6} {hit:>5.1f} {pairs:>6.1f} {fmt:>6} {step:>9.1f} {gemm:>9.1f} {nbytes / 1e6:>8.1f} "
+            report(f"{tokens:>6} {hit:>5.1f} {pairs:>6.1f} {fmt:>11} {step:>9.1f} {gemm:>9.1f} {nbytes / 1e6:>8.1f} "
                    f"{nbytes / step / 1e6:>9.2f} {nbytes / gemm / 1e6:>9.2f} {nbytes / gemm / 1e-6 / copy_bw:>9.2f} "
                    f"{pairs * flops_per_pair / step / 1e6:>8.1f}")
     return results
@@ -239,6 +252,17 @@ def sweep_moe(report: Report, experts: dict, args, device) -> None:
         for fmt, ex in experts.items():
             if fmt == "bf16":
                 continue
+            if fmt == "int4":  # the tensor-core kernel: its block sizes
+                chosen = int4_moe.tokens_per_block(tokens, args.topk, args.local)
+                for bt in int4_moe.TOKENS_PER_BLOCK:
+                    fns = [lambda x=x, w=w, i=i, ex=ex, bt=bt: int4_moe.fused_moe_int4(
+                        x, w, i, *ex.w13, *ex.w2, first_expert=args.first_expert, num_local=ex.num_local,
+                        intermediate=ex.inter, block_tokens=bt) for x, (w, i) in zip(xs, steps)]
+                    step = graph_time_us(fns, args.replays)
+                    report(f"sweep int4 tokens {tokens} block_tokens {bt}: step {step:.1f} us"
+                           f"{' (the heuristic)' if bt == chosen else ''}")
+                continue
+            fmt = "int4" if fmt == "int4-triton" else fmt
             heuristic = qg.moe_config(tokens, args.topk, args.local, args.hidden, args.inter, qg._sms(device), fmt)
             block_ms = [heuristic[0].block_m] + ([bm for bm in (1, 16) if bm != heuristic[0].block_m]
                                                   if fmt == "int4" and tokens <= 256 else [])
@@ -402,7 +426,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=32, help="INT4 group size")
     ap.add_argument("--iters", type=int, default=10, help="steps per graph (each its own routing)")
     ap.add_argument("--replays", type=int, default=20, help="graph replays; the median is reported")
-    ap.add_argument("--formats", default="bf16,fp8,int4", help="MoE formats, side by side")
+    ap.add_argument("--formats", default="bf16,fp8,int4,int4-triton",
+                    help="MoE formats, side by side (int4: the tensor-core kernel the model runs; "
+                         "int4-triton: quant_gemm's Triton kernels)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-dense", action="store_true", help="MoE table only")
     ap.add_argument("--quick", action="store_true", help="smoke run: tokens 1,16; dense at 1 token; few replays")

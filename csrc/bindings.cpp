@@ -15,4 +15,5 @@ PYBIND11_MODULE(_C, m) {
   ddtree::register_runtime(m);
   ddtree::register_tree(m);
   ddtree::register_transport(m);
+  ddtree::register_moe(m);
 }

@@ -1,5 +1,7 @@
 """GEMMs straight from quantized weights (Triton): FP8 block W8A8 and INT4 group W4A16, dense and
-routed-expert (fused MoE), for DeepSeek-V3 / Kimi-K2 decode.
+routed-expert (fused MoE), for DeepSeek-V3 / Kimi-K2 decode. INT4 routed experts in bf16 whose
+shapes `int4_moe.int4_mma_supported` takes run `int4_moe` (CUDA tensor cores) instead; its fused
+MoE shares this module's `moe_align` and `moe_combine`.
 
 Weight layouts (``ddtree.models.quant`` has the formats and the reference (de)quantizers):
 
@@ -929,9 +931,16 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     inter_in = _quantize_fp8(inter, al.block_expert, bm) if fmt == "fp8" and cfg2.prequant else inter
     _gemm(inter_in, fmt, w2, w2s, cfg2, down if cfg2.split_k > 1 else down[0], n_cols=hidden, k=i, silu=False,
           up_row0=0, up_srow0=0, rows_mode=2, **moe)
-    # combine: the routing-weighted sum over this rank's choices, float32, choice order
+    return moe_combine(down, topk_weights, topk_ids, y, first_expert, num_local)
+
+
+def moe_combine(down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, y: torch.Tensor,
+                first_expert: int, num_local: int) -> torch.Tensor:
+    """y[s] = the routing-weighted sum over this rank's choices of the down rows (``down [split,
+    S*k, H]``, split partials summed first), float32, in choice order; other ranks' rows unread."""
+    s_tokens, hidden = y.shape
     block_h = min(1024, _pow2(hidden))
     _moe_combine_kernel[(s_tokens, triton.cdiv(hidden, block_h))](
-        down, topk_weights.contiguous(), topk_ids.contiguous(), y, hidden, first_expert, num_local, cfg2.split_k,
-        down.stride(0), down.stride(1), y.stride(0), TOPK=topk, BLOCK_H=block_h, num_warps=4)
+        down, topk_weights.contiguous(), topk_ids.contiguous(), y, hidden, first_expert, num_local, down.shape[0],
+        down.stride(0), down.stride(1), y.stride(0), TOPK=topk_ids.shape[1], BLOCK_H=block_h, num_warps=4)
     return y

@@ -133,7 +133,9 @@ class MoE(nn.Module):
     The router is replicated (float32, as transformers keeps it); this rank computes only its
     experts [tp.shard(n_routed_experts)] (stored in `formats.experts`: w13 = [gate; up] [E, 2I, H],
     w2 [E, H, I]) and a shard of the shared experts. How the routed experts run is chosen once,
-    here: `routed_fused` (FP8/INT4 on CUDA), `routed_grouped` (bf16 on sm90+), else `routed_loop`.
+    here: `routed_int4_mma` (INT4 on CUDA in bf16 where kernels.int4_moe takes the shapes: the CUDA
+    tensor-core kernel), `routed_fused` (FP8, and INT4 otherwise, on CUDA: Triton), `routed_grouped`
+    (bf16 on sm90+), else `routed_loop`.
     """
 
     def __init__(self, cfg: TargetConfig, tp: TensorParallel, dtype, device, formats: WeightFormats = BF16):
@@ -144,8 +146,14 @@ class MoE(nn.Module):
         self.gate = _weight(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32, device=device)
         self.e_score_correction_bias = _weight(cfg.n_routed_experts, dtype=torch.float32, device=device)
         i, h, fmt = cfg.moe_intermediate_size, cfg.hidden_size, formats.experts
+        cuda = torch.device(device).type == "cuda"
+        mma = False
+        if fmt == "int4" and cuda and dtype == torch.bfloat16:
+            from ddtree.kernels.int4_moe import int4_mma_supported  # Triton: only where a GPU runs it
+
+            mma = int4_mma_supported(h, i, formats.int4_group)
         kw = dict(fmt=fmt, dtype=dtype, device=device, stack=self.num_local, block=formats.block(fmt),
-                  group=formats.int4_group)
+                  group=formats.int4_group, int4_layout="mma" if mma else None)
         self.w13 = QuantWeight((i, i), h, **kw)
         self.w2 = QuantWeight((h,), i, **kw)
         self.shared = (
@@ -153,7 +161,12 @@ class MoE(nn.Module):
         )
         self.glue = glue_for(device)
         self._fused_moe = None
-        if fmt != "bf16" and torch.device(device).type == "cuda":
+        if mma:  # INT4 experts on the CUDA tensor-core kernel
+            from ddtree.kernels.int4_moe import fused_moe_int4
+
+            self._fused_moe = fused_moe_int4
+            self.routed = self.routed_int4_mma
+        elif fmt != "bf16" and cuda:
             from ddtree.kernels.quant_gemm import fused_moe  # Triton: only where a GPU runs it
 
             self._fused_moe = fused_moe
@@ -221,6 +234,13 @@ class MoE(nn.Module):
         return self._fused_moe(x, weights, ids, w13.fmt, w13.data(), w13.scale(), w2.data(), w2.scale(),
                                first_expert=self.first_expert, num_local=self.num_local,
                                intermediate=w13.parts[0], group_size=w13.block[1])
+
+
+    def routed_int4_mma(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """INT4 experts through the CUDA tensor-core MoE kernel (kernels.int4_moe; sync-free, capturable)."""
+        w13, w2 = self.w13, self.w2
+        return self._fused_moe(x, weights, ids, w13.data(), w13.scale(), w2.data(), w2.scale(),
+                               first_expert=self.first_expert, num_local=self.num_local, intermediate=w13.parts[0])
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:

@@ -10,8 +10,11 @@ routed experts) in one of three storages:
   ``ceil(I/128)`` rows of gate scales, then up's, so ``I`` need not be a multiple of the block.
 * ``"int4"``: ``weight_packed`` int32 (8 columns per word, offset-binary nibbles) plus
   ``weight_scale`` group scales (compressed-tensors pack-quantized; Kimi-K2-Thinking experts).
-  On the CPU the words keep the checkpoint's order; on CUDA they are repacked as they load into
-  the kernels' sliced order (`quant.int4_to_sliced`: 256-column steps, rows padded to whole steps).
+  On the CPU the words keep the checkpoint's order (``int4_layout`` "checkpoint"); on CUDA they
+  are repacked as they load into the order of the kernels that run them: "sliced" for the Triton
+  kernels (`quant.int4_to_sliced`: 256-column steps), "mma" for the CUDA tensor-core MoE kernel
+  (`quant.int4_to_mma`: 16-row tiles x 64-column chunks, each part padded to whole tiles, scales
+  per 32 columns in the same tiling), which the routed experts choose where it runs them.
 
 How a matrix is applied is chosen once, when the weight is built, from the device: on CUDA the
 Triton kernels of `ddtree.kernels.quant_gemm` (W8A8 with activations quantized per 1x128 group;
@@ -32,6 +35,7 @@ from . import quant
 from .quant import QuantizedTensor
 
 FORMATS = ("bf16", "fp8", "int4")
+INT4_LAYOUTS = ("checkpoint", "sliced", "mma")  # the CPU's, then the GPU kernels' (module doc)
 _TILE_ELEMS = 1 << 22  # CPU reference: dequantized tiles of at most 4 Mi elements
 
 
@@ -65,7 +69,8 @@ class QuantWeight(nn.Module):
     """``stack`` matrices (None: one) of ``[sum(parts), in_features]`` in storage ``fmt``."""
 
     def __init__(self, parts: tuple[int, ...], in_features: int, *, fmt: str, dtype: torch.dtype, device,
-                 stack: int | None = None, block: tuple[int, int] = quant.FP8_BLOCK, group: int = quant.INT4_GROUP):
+                 stack: int | None = None, block: tuple[int, int] = quant.FP8_BLOCK, group: int = quant.INT4_GROUP,
+                 int4_layout: str | None = None):
         super().__init__()
         if fmt not in FORMATS:
             raise ValueError(f"weight format {fmt!r} is not one of {FORMATS}")
@@ -85,10 +90,23 @@ class QuantWeight(nn.Module):
         else:
             if group % quant.INT4_PACK:
                 raise ValueError(f"INT4 group size {group} is not a multiple of {quant.INT4_PACK}")
-            # the GPU kernels' sliced layout (quant.int4_to_sliced), the checkpoint's on the CPU
-            words = quant.int4_sliced_words(k) if self.on_gpu else math.ceil(k / quant.INT4_PACK)
-            self.weight_packed = _param(*lead, out, words, dtype=torch.int32, device=device)
-            self.weight_scale = _param(*lead, out, math.ceil(k / group), dtype=dtype, device=device)
+            layout = int4_layout or ("sliced" if self.on_gpu else "checkpoint")
+            if layout not in INT4_LAYOUTS or (layout == "checkpoint") == self.on_gpu:
+                raise ValueError(f"INT4 layout {layout!r} on {torch.device(device).type}: the CPU keeps "
+                                 f"'checkpoint', CUDA takes one of {INT4_LAYOUTS[1:]}")
+            self.int4_layout = layout
+            if layout == "mma":
+                if dtype != torch.bfloat16 or group % 32:
+                    raise ValueError(f"the mma layout takes bf16 scales and groups of a multiple of 32, "
+                                     f"got {dtype}, {group}")
+                tiles = sum(quant.int4_mma_shape(p, k)[0] for p in parts)
+                chunks = quant.int4_mma_shape(1, k)[1]
+                self.weight_packed = _param(*lead, tiles, chunks, 32, 4, dtype=torch.int32, device=device)
+                self.weight_scale = _param(*lead, tiles, chunks, 8, 2, 2, dtype=dtype, device=device)
+            else:
+                words = quant.int4_sliced_words(k) if layout == "sliced" else math.ceil(k / quant.INT4_PACK)
+                self.weight_packed = _param(*lead, out, words, dtype=torch.int32, device=device)
+                self.weight_scale = _param(*lead, out, math.ceil(k / group), dtype=dtype, device=device)
         if self.on_gpu and fmt == "fp8" and self.block != quant.FP8_BLOCK:
             raise ValueError(f"the GPU FP8 kernels take 128x128 blocks; this weight has {self.block[0]}x{self.block[1]}")
 
@@ -98,6 +116,11 @@ class QuantWeight(nn.Module):
 
     def scale(self) -> torch.Tensor | None:
         return {"bf16": None, "fp8": getattr(self, "weight_scale_inv", None), "int4": getattr(self, "weight_scale", None)}[self.fmt]
+
+    def _tiles(self, part: int) -> tuple[int, int]:
+        """The mma layout's (first tile, tiles) of a part."""
+        t = [quant.int4_mma_shape(p, self.in_features)[0] for p in self.parts]
+        return sum(t[:part]), t[part]
 
     def _scale_rows(self, part: int) -> int:
         """First scale row of a part (FP8 parts keep their own block rows)."""
@@ -127,8 +150,15 @@ class QuantWeight(nn.Module):
         q = t.rows(rows).cols(cols)
         if q.shape != (n, self.in_features):
             raise ValueError(f"shard shape {q.shape} does not fit the model's {(n, self.in_features)}")
+        if self.fmt == "int4" and self.int4_layout == "mma":
+            t0, nt = self._tiles(part)
+            words, scales = quant.int4_to_mma(q.data.to(data.device), q.scale.to(data.device), self.in_features,
+                                              self.block[1])
+            data[t0 : t0 + nt].copy_(words)
+            scale[t0 : t0 + nt].copy_(scales)
+            return
         s0 = self._scale_rows(part)
-        data[r0 : r0 + n].copy_(quant.int4_to_sliced(q.data) if self.on_gpu and self.fmt == "int4" else q.data)
+        data[r0 : r0 + n].copy_(quant.int4_to_sliced(q.data) if self.fmt == "int4" and self.on_gpu else q.data)
         scale[s0 : s0 + q.scale.shape[0]].copy_(q.scale)
 
     @torch.no_grad()
@@ -156,6 +186,14 @@ class QuantWeight(nn.Module):
         if self.fmt == "bf16":
             yield 0, self.out_features, data.to(dtype)
             return
+        if self.fmt == "int4" and self.int4_layout == "mma":  # a part at a time
+            base = 0
+            for part, n in enumerate(self.parts):
+                t0, nt = self._tiles(part)
+                d, s = quant.int4_from_mma(data[t0 : t0 + nt], scale[t0 : t0 + nt], n, self.in_features, self.block[1])
+                yield base, base + n, quant.dequantize_int4_group(d, s, (n, self.in_features), dtype, self.block[1])
+                base += n
+            return
         b0 = self.block[0]
         rows = max(b0, _TILE_ELEMS // max(self.in_features, 1) // b0 * b0)
         base = 0
@@ -167,7 +205,7 @@ class QuantWeight(nn.Module):
                 if self.fmt == "fp8":
                     w = quant.dequantize_fp8_block(d, scale[s0 + r0 // b0 : s0 + -(-r1 // b0)], dtype, self.block)
                 else:
-                    if self.on_gpu:
+                    if self.int4_layout == "sliced":
                         d = quant.int4_from_sliced(d, math.ceil(self.in_features / quant.INT4_PACK))
                     w = quant.dequantize_int4_group(d, scale[base + r0 : base + r1], (r1 - r0, self.in_features),
                                                     dtype, self.block[1])

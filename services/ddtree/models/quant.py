@@ -188,6 +188,72 @@ def int4_from_sliced(sliced: torch.Tensor, words: int) -> torch.Tensor:
     return _pack_nibbles(nib.reshape(*lead, words, INT4_PACK))
 
 
+# The CUDA tensor-core kernels' INT4 layout (`int4_to_mma`, csrc/moe/int4_gemm_cuda.cu): rows in
+# tiles of 16, columns in chunks of 64, and per (tile, chunk) 32 lanes x 4 words, word w = 2 h + r
+# of lane 4 g + t holding the lane's mma.m16n8k16 A fragment of the 16 x 16 sub-tile w: nibble j
+# is row g + 8 (j & 1), column 32 h + 8 t + 4 r + 2 ((j >> 1) & 1) + (j >> 2) of the chunk (a
+# permutation of the chunk's columns the activations share, so that sub-tile w lies inside the
+# 32-column group h and a lane's activations are 8 contiguous columns). Scales, bf16, one per row
+# and 32 columns: per (tile, chunk) [8 g][2 h][2 (row g, row g + 8)]. Rows pad to whole tiles and
+# columns to whole chunks with q = 0 and scale 0.
+INT4_MMA_ROWS = 16
+INT4_MMA_COLS = 64
+
+
+def _mma_index() -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) in the (tile, chunk) of nibble j of word w of lane L, each [32, 4, 8]."""
+    lane, w, j = torch.meshgrid(torch.arange(32), torch.arange(4), torch.arange(8), indexing="ij")
+    g, t, h, r = lane // 4, lane % 4, w // 2, w % 2
+    return g + 8 * (j & 1), 32 * h + 8 * t + 4 * r + 2 * ((j >> 1) & 1) + (j >> 2)
+
+
+def int4_mma_shape(rows: int, in_dim: int) -> tuple[int, int]:
+    """(tiles, chunks) of one matrix in the mma layout."""
+    return math.ceil(rows / INT4_MMA_ROWS), math.ceil(in_dim / INT4_MMA_COLS)
+
+
+def int4_to_mma(packed: torch.Tensor, scale: torch.Tensor, in_dim: int,
+                group_size: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint-layout words ``[..., rows, ceil(in_dim/8)]`` and group scales ``[..., rows,
+    ceil(in_dim/G)]`` (G a multiple of 32) -> the mma layout: words int32 ``[..., tiles, chunks, 32,
+    4]``, scales bf16 ``[..., tiles, chunks, 8, 2, 2]`` (layout above)."""
+    if group_size % 32:
+        raise ValueError(f"the mma layout takes INT4 groups of a multiple of 32 columns, got {group_size}")
+    lead, rows = packed.shape[:-2], packed.shape[-2]
+    tiles, chunks = int4_mma_shape(rows, in_dim)
+    dev = packed.device
+    nib = torch.full((*lead, tiles * 16, chunks * 64), _INT4_OFFSET, dtype=torch.int32, device=dev)
+    nib[..., :rows, :in_dim] = _nibbles(packed)[..., :in_dim]
+    nib = nib.view(*lead, tiles, 16, chunks, 64).transpose(-3, -2).reshape(*lead, tiles, chunks, 16 * 64)
+    row, col = _mma_index()
+    nib = nib[..., (row * 64 + col).to(dev).reshape(-1)].view(*lead, tiles, chunks, 32, 4, 8)
+    words = _pack_nibbles(nib)
+    blocks = chunks * 2  # 32-column blocks
+    group_of = (torch.arange(blocks, device=dev) * 32) // group_size
+    s32 = torch.zeros((*lead, tiles * 16, blocks), dtype=torch.bfloat16, device=dev)
+    ok = group_of < scale.shape[-1]
+    s32[..., :rows, ok] = scale[..., group_of[ok]].to(torch.bfloat16)
+    # [tiles, rh, g, chunks, h] -> [tiles, chunks, g, h, rh]
+    s = s32.view(*lead, tiles, 2, 8, chunks, 2).permute(*range(len(lead)), -5, -2, -3, -1, -4)
+    return words, s.contiguous()
+
+
+def int4_from_mma(words: torch.Tensor, scales: torch.Tensor, rows: int, in_dim: int,
+                  group_size: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `int4_to_mma`: (checkpoint-layout words, bf16 group scales)."""
+    lead, (tiles, chunks) = words.shape[:-4], words.shape[-4:-2]
+    row, col = _mma_index()
+    flat = torch.empty((*lead, tiles, chunks, 16 * 64), dtype=torch.int32, device=words.device)
+    flat[..., (row * 64 + col).to(words.device).reshape(-1)] = _nibbles(words).reshape(*lead, tiles, chunks, -1)
+    nib = flat.view(*lead, tiles, chunks, 16, 64).transpose(-3, -2).reshape(*lead, tiles * 16, chunks * 64)
+    words_ck = math.ceil(in_dim / INT4_PACK)
+    nib = torch.cat([nib[..., :rows, :in_dim], nib.new_full((*lead, rows, 8 * words_ck - in_dim), _INT4_OFFSET)], -1)
+    packed = _pack_nibbles(nib.reshape(*lead, rows, words_ck, INT4_PACK))
+    s32 = scales.permute(*range(len(lead)), -5, -1, -3, -4, -2).reshape(*lead, tiles * 16, chunks * 2)
+    groups = math.ceil(in_dim / group_size)
+    return packed, s32[..., :rows, (torch.arange(groups, device=words.device) * group_size) // 32].contiguous()
+
+
 def unpack_int4(packed: torch.Tensor, in_dim: int) -> torch.Tensor:
     """int32 ``[out, words]`` -> int8 ``[out, in_dim]`` in [-8, 7]."""
     _check_matrix(packed, "weight_packed")
