@@ -7,8 +7,8 @@ imported lazily), else the byte-level tokenizer of the bundled model (id = byte 
 
 Streaming needs incremental detokenization: `Tokenizer.decoder()` returns an object whose
 `push(ids)` returns only the newly completed text, holding back an incomplete UTF-8 character
-(byte-level vocabularies) or a trailing replacement character (HF tokenizers) until the next
-token completes it.
+(byte-level vocabularies: Python's incremental UTF-8 decoder; HF tokenizers: their DecodeStream)
+until the next token completes it.
 """
 from __future__ import annotations
 
@@ -113,27 +113,21 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
     def decoder(self) -> IncrementalDecoder:
-        return _OffsetDecoder(self.decode)
+        return _StreamDecoder(self._tok)
 
 
-class _OffsetDecoder(IncrementalDecoder):
-    """Decodes a sliding window of ids and emits the new suffix once it is a whole character
-    (the usual prefix/read-offset method: word-piece prefixes like a leading space need context)."""
+class _StreamDecoder(IncrementalDecoder):
+    """`tokenizers`' own incremental detokenizer (DecodeStream: a prefix/read-offset window, text
+    held back while it ends in an incomplete character)."""
 
-    def __init__(self, decode):
-        self._decode = decode
-        self._ids: list[int] = []
-        self._prefix = 0  # window start
-        self._read = 0    # ids up to here are already emitted
+    def __init__(self, tok):
+        from tokenizers.decoders import DecodeStream
+
+        self._tok = tok
+        self._stream = DecodeStream(skip_special_tokens=True)
 
     def push(self, ids: Iterable[int]) -> str:
-        self._ids.extend(ids)
-        done = self._decode(self._ids[self._prefix:self._read])
-        text = self._decode(self._ids[self._prefix:])
-        if len(text) > len(done) and not text.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self._ids)
-            return text[len(done):]
-        return ""
+        return "".join(filter(None, (self._stream.step(self._tok, i) for i in ids)))
 
 
 class TiktokenTokenizer(Tokenizer):
