@@ -22,6 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ddtree.cli import DefaultsHelpFormatter
 from ddtree.models.dflash import DFlashDrafter, DrafterContextCache
 from ddtree.models.dflash_config import DFlashConfig
 
@@ -172,7 +173,7 @@ def run(args) -> list[str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--context", type=int, default=2048)

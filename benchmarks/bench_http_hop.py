@@ -20,6 +20,7 @@ import statistics
 import time
 from urllib.parse import urlsplit
 
+from ddtree.cli import RawDescriptionDefaultsHelpFormatter
 from ddtree.demo import prompt_ids
 from ddtree.bundled import DEMO_PROMPTS, bundled_paths
 from ddtree.v1 import generation_pb2_grpc
@@ -68,7 +69,7 @@ def http_cpu_s(url: str) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionDefaultsHelpFormatter)
     p.add_argument("--grpc", default="127.0.0.1:50051")
     p.add_argument("--http", default="http://127.0.0.1:8000")
     p.add_argument("--target", default=str(bundled_paths().target), help="the checkpoint the stack serves")

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from ddtree.cli import DefaultsHelpFormatter
+
 DIM = 4096
 SHARD_BYTES = 256 << 20
 MIB = 1 << 20
@@ -134,7 +136,7 @@ def measure(mode: str, path: Path, env_extra: dict | None = None) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=2.0)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=None, help="where to generate (default: a temp dir under /tmp)")

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from ddtree.cli import DefaultsHelpFormatter
 from ddtree.models.config import TargetConfig
 from ddtree.models.kv_cache import LatentKVCache
 from ddtree.models.layers import DecoderLayer, grouped_mm_available
@@ -69,7 +70,7 @@ class Timer:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--trees", default="1,16,64", help="tree nodes per request, root included")
     ap.add_argument("--prefixes", default="1024,8192")

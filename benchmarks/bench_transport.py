@@ -48,6 +48,7 @@ import grpc
 import numpy as np
 import torch
 
+from ddtree.cli import RawDescriptionDefaultsHelpFormatter
 from ddtree.rpc.options import channel_options
 from ddtree.transport import (DEFERRED_READ, INLINE, RESOLVE_ONLY, PeerLink, Transport, TransportConfig, checksum,
                               fastpath)
@@ -202,7 +203,7 @@ def start_server(device: str, kind: str):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionDefaultsHelpFormatter)
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kinds", default=None, help="comma list (default: cuda_ipc,shm,inline on a GPU, else shm,inline)")
     p.add_argument("--batches", default="1,8,64")

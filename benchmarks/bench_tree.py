@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ddtree.cli import RawDescriptionDefaultsHelpFormatter
 from ddtree.tree import accept, build_trees, reference
 from ddtree.tree.ops import _block_kernel
 from ddtree.tree.samples import random_topk
@@ -301,7 +302,7 @@ def run_smoke() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionDefaultsHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/h200"))
     parser.add_argument("--reps", type=int, default=500, help="kernel launches per device-time median")
     parser.add_argument("--sglang-seconds", type=float, default=1.5,
