@@ -39,8 +39,12 @@ TOKENS_PER_BLOCK = (8, 16, 32)  # the kernel's n8 token tiles per block: 1, 2, 4
 
 def int4_mma_supported(hidden: int, intermediate: int, group_size: int) -> bool:
     """True where `fused_moe_int4` takes these expert shapes (module doc) and the kernels are built."""
-    return (hidden % 8 == 0 and intermediate % 8 == 0 and group_size % 32 == 0
-            and native.cuda_kernels_built())
+    if hidden % 8 or intermediate % 8 or group_size % 32:
+        return False
+    try:
+        return native.cuda_kernels_built()
+    except native.NativeExtensionMissing:  # no extension at all: the Triton kernels
+        return False
 
 
 def _expected(tokens: int, topk: int, num_local: int) -> tuple[int, float]:
