@@ -4,6 +4,8 @@ from __future__ import annotations
 import functools
 from types import ModuleType
 
+import torch
+
 
 class NativeExtensionMissing(ImportError):
     """ddtree._C could not be imported (the package was not built with `pip install .`)."""
@@ -31,3 +33,13 @@ def cuda_kernels_built() -> bool:
 def build_info() -> dict:
     """Facts about the compiled extension: CUDA or not, the CUDA runtime it was built with."""
     return dict(load().build_info())
+
+
+def launch_cuda(kernel, args, device: torch.device) -> None:
+    """Calls a ddtree._C CUDA entry point as ``kernel(*args, stream)`` on the current stream of
+    `device`, switching devices only when needed."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        kernel(*args, torch.cuda.current_stream(device).cuda_stream)
+        return
+    with torch.cuda.device(device):
+        kernel(*args, torch.cuda.current_stream(device).cuda_stream)

@@ -47,14 +47,6 @@ def int4_mma_supported(hidden: int, intermediate: int, group_size: int) -> bool:
         return False
 
 
-def _expected(tokens: int, topk: int, num_local: int) -> tuple[int, float]:
-    """(local pairs, experts hit) expected under uniform routing, about 1 of 8 pairs on this rank
-    (`quant_gemm.moe_config`'s estimate)."""
-    local_pairs = max(1, math.ceil(tokens * topk / 8))
-    e = max(num_local, 1)
-    return local_pairs, e * (1 - (1 - 1 / e) ** local_pairs)
-
-
 # expected pairs per expert hit up to which each block size runs (H200 sweeps, Kimi-K2 TP8 rank:
 # 5.4 pairs per hit best at 8, 21 at 16 (1214 us against 1326 at 32), 86 at 32;
 # benchmarks/results/h200/int4_mma.txt)
@@ -64,7 +56,7 @@ _BLOCK_UP_TO = {8: 8.0, 16: 32.0, 32: math.inf}
 def tokens_per_block(tokens: int, topk: int, num_local: int) -> int:
     """Block rows for a step: 8 while an expert hit expects at most 8 pairs, 16 to 32, else 32
     (fewer rows a block keep more K chunks in flight: deeper stages in the same shared memory)."""
-    pairs, hits = _expected(tokens, topk, num_local)
+    pairs, hits = quant_gemm.expected_pairs_and_hits(tokens, topk, num_local)
     return next(b for b in TOKENS_PER_BLOCK if pairs / hits <= _BLOCK_UP_TO[b])
 
 
@@ -94,13 +86,11 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x, words, scales, out, al, *, n_out, out_tiles, n_tiles, k, mode, silu, m_rows=0, topk=1):
-    device = x.device
-    with torch.cuda.device(device):
-        native.load().int4_gemm_cuda(
-            x.data_ptr(), words.data_ptr(), scales.data_ptr(), out.data_ptr(),
-            al.sorted_ids.data_ptr(), al.block_expert.data_ptr(), x.stride(0), out.stride(0),
-            n_out, out_tiles, n_tiles, k, words.shape[2], al.block_expert.numel(), m_rows, al.num_pairs, topk,
-            mode, silu, al.block_m, torch.cuda.current_stream(device).cuda_stream)
+    native.launch_cuda(native.load().int4_gemm_cuda, (
+        x.data_ptr(), words.data_ptr(), scales.data_ptr(), out.data_ptr(),
+        al.sorted_ids.data_ptr(), al.block_expert.data_ptr(), x.stride(0), out.stride(0),
+        n_out, out_tiles, n_tiles, k, words.shape[2], al.block_expert.numel(), m_rows, al.num_pairs, topk,
+        mode, silu, al.block_m), x.device)
 
 
 def fused_moe_int4(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -115,11 +105,7 @@ def fused_moe_int4(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     i = intermediate
     if hidden % 8 or i % 8:
         raise ValueError(f"hidden {hidden} and intermediate {i} must be multiples of 8")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != s_tokens or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} must be [S, k]")
-    if topk_weights.dtype != torch.float32 or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_weights must be float32 and topk_ids int32/int64, "
-                         f"got {topk_weights.dtype}, {topk_ids.dtype}")
+    quant_gemm.check_routing(topk_weights, topk_ids, s_tokens)
     it, hc = quant.int4_mma_shape(i, hidden)
     ht, ic = quant.int4_mma_shape(hidden, i)
     dev = x.device

@@ -640,6 +640,14 @@ def gemm_config(rows: float, n: int, k: int, sms: int, *, row_blocks: int | None
     return GemmConfig(block_m, block_n, block_k, split, warps, stages)
 
 
+def expected_pairs_and_hits(tokens: int, topk: int, num_local: int) -> tuple[int, float]:
+    """(this rank's pairs, its experts hit) expected for a step: about 1 of 8 pairs (an 8-way
+    split), spread uniformly, ``E (1 - (1 - 1/E)^P)`` experts hit by P pairs over E local ones."""
+    local_pairs = max(1, triton.cdiv(tokens * topk, 8))
+    e = max(num_local, 1)
+    return local_pairs, e * (1 - (1 - 1 / e) ** local_pairs)
+
+
 def moe_config(tokens: int, topk: int, num_local: int, hidden: int, intermediate: int,
                sms: int, fmt: str = "fp8") -> tuple[GemmConfig, GemmConfig]:
     """(GEMM 1, GEMM 2) launches of `fused_moe` (module doc); both share BLOCK_M (the sort's).
@@ -648,10 +656,9 @@ def moe_config(tokens: int, topk: int, num_local: int, hidden: int, intermediate
     for P pairs over E local experts) stay within FMA_MAX_PAIRS_PER_HIT; the dots' blocks of 16+
     rows get the rows per local expert."""
     pairs = tokens * topk
-    local_pairs = max(1, triton.cdiv(pairs, 8))
+    local_pairs, hits = expected_pairs_and_hits(tokens, topk, num_local)
     experts = max(num_local, 1)
-    pairs_per_hit = local_pairs / (experts * (1 - (1 - 1 / experts) ** local_pairs))
-    fma = fmt == "int4" and pairs_per_hit <= FMA_MAX_PAIRS_PER_HIT
+    fma = fmt == "int4" and local_pairs / hits <= FMA_MAX_PAIRS_PER_HIT
     if fma:
         blocks, rows = local_pairs, 1  # a block per pair
     else:
@@ -870,6 +877,15 @@ def moe_align(topk_ids: torch.Tensor, block_m: int, first_expert: int, num_local
     return MoEAlignment(sorted_ids, block_expert, num_used, block_m, pairs)
 
 
+def check_routing(topk_weights: torch.Tensor, topk_ids: torch.Tensor, tokens: int) -> None:
+    """A fused MoE's routing: float32 weights and int32/int64 ids, both [tokens, k]."""
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} must be [S, k]")
+    if topk_weights.dtype != torch.float32 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_weights must be float32 and topk_ids int32/int64, "
+                         f"got {topk_weights.dtype}, {topk_ids.dtype}")
+
+
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, fmt: str,
               w13_data: torch.Tensor, w13_scale: torch.Tensor, w2_data: torch.Tensor, w2_scale: torch.Tensor, *,
               first_expert: int, num_local: int, intermediate: int, group_size: int = 32,
@@ -887,11 +903,7 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
         raise ValueError(f"x must be [S, H], got {tuple(x.shape)}")
     s_tokens, hidden = x.shape
     x = _check_x(x, hidden)
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != s_tokens or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} must be [S, k]")
-    if topk_weights.dtype != torch.float32 or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_weights must be float32 and topk_ids int32/int64, "
-                         f"got {topk_weights.dtype}, {topk_ids.dtype}")
+    check_routing(topk_weights, topk_ids, s_tokens)
     i = intermediate
     w13, w13s, w2, w2s = (_as_stack(t, name) for t, name in ((w13_data, "w13_data"), (w13_scale, "w13_scale"),
                                                               (w2_data, "w2_data"), (w2_scale, "w2_scale")))

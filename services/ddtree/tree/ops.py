@@ -75,15 +75,6 @@ def _check_out(name: str, out, template, fields: tuple[str, ...], device: torch.
             raise ValueError(f"{name}.{field} must be contiguous on {device}")
 
 
-def _launch_cuda(kernel, args, device: torch.device) -> None:
-    """Launches on the current stream of `device` (switching devices only when needed)."""
-    if device.index is None or device.index == torch.cuda.current_device():
-        kernel(*args, torch.cuda.current_stream(device).cuda_stream)
-        return
-    with torch.cuda.device(device):
-        kernel(*args, torch.cuda.current_stream(device).cuda_stream)
-
-
 CUDA_KERNELS = ("auto", "block", "warp")
 # H200, D 16, K = budget, batch 64, kernel time (µs) block / warp (kernels.txt, 2026-11-30 12:45):
 # 16: 14.3 / 3.5, 32: 16.0 / 4.8, 64: 26.9 / 7.7, 128: 29.9 / 32.0, 256: 41.8 / 95.0, 384: 57.3 / 207,
@@ -134,7 +125,7 @@ def build_trees(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int |
         C.tree_build_cpu(*args, _threads(threads))
     else:
         kernel = C.tree_build_cuda if _block_kernel(cuda_kernel, n) else C.tree_build_cuda_warp
-        _launch_cuda(kernel, args, lp.device)
+        native.launch_cuda(kernel, args, lp.device)
     if check or backend == "cpu":
         checks.raise_on_status(out.status)
     return out
@@ -167,7 +158,7 @@ def accept(trees: Trees, posterior: torch.Tensor, backend: str = "auto", *, chec
     if backend == "cpu":
         C.tree_accept_cpu(*args, _threads(threads))
     else:
-        _launch_cuda(C.tree_accept_cuda, args, device)
+        native.launch_cuda(C.tree_accept_cuda, args, device)
     if check or backend == "cpu":
         checks.raise_on_status(out.status)
     return out
