@@ -252,15 +252,17 @@ def sweep_moe(report: Report, experts: dict, args, device) -> None:
         for fmt, ex in experts.items():
             if fmt == "bf16":
                 continue
-            if fmt == "int4":  # the tensor-core kernel: its block sizes
+            if fmt == "int4":  # the tensor-core kernel: its block sizes, each GEMM's kernel time
                 chosen = int4_moe.tokens_per_block(tokens, args.topk, args.local)
                 for bt in int4_moe.TOKENS_PER_BLOCK:
                     fns = [lambda x=x, w=w, i=i, ex=ex, bt=bt: int4_moe.fused_moe_int4(
                         x, w, i, *ex.w13, *ex.w2, first_expert=args.first_expert, num_local=ex.num_local,
                         intermediate=ex.inter, block_tokens=bt) for x, (w, i) in zip(xs, steps)]
                     step = graph_time_us(fns, args.replays)
-                    report(f"sweep int4 tokens {tokens} block_tokens {bt}: step {step:.1f} us"
-                           f"{' (the heuristic)' if bt == chosen else ''}")
+                    gate_up = kernel_time_us(fns, lambda name: "int4_gemm_kernel" in name and "true" in name)
+                    down = kernel_time_us(fns, lambda name: "int4_gemm_kernel" in name and "false" in name)
+                    report(f"sweep int4 tokens {tokens} block_tokens {bt}: step {step:.1f} us, gate|up {gate_up:.1f}, "
+                           f"down {down:.1f}{' (the heuristic)' if bt == chosen else ''}")
                 continue
             fmt = "int4" if fmt == "int4-triton" else fmt
             heuristic = qg.moe_config(tokens, args.topk, args.local, args.hidden, args.inter, qg._sms(device), fmt)

@@ -15,13 +15,14 @@ struct Int4GemmArgs {
   void* out;                    // mode 0/1: bf16 [rows, out_stride]; mode 2: fp32 [num_pairs, out_stride]
   const int32_t* sorted_ids;    // modes 1, 2: [blocks * tokens_per_block] pair ids (sentinel num_pairs)
   const int32_t* block_expert;  // modes 1, 2: [blocks] local expert, -1 unused
+  const int32_t* num_used;      // modes 1, 2: [1] blocks in use (they come first)
   int64_t x_stride, out_stride;
   int n_out;      // output columns (silu: the gate's rows; up's tiles follow the gate's)
-  int out_tiles;  // 16-column output tiles (grid.x); silu: up tile = tile + out_tiles
+  int out_tiles;  // 16-column output tiles; silu: up tile = tile + out_tiles
   int n_tiles;    // 16-row tiles of one expert's weight (silu: 2 * out_tiles)
   int k;          // activation columns (a multiple of 8)
   int k_chunks;   // 64-column chunks of the weight (ceil(k / 64))
-  int blocks;     // row blocks (grid.y)
+  int blocks;     // row blocks (at most; modes 1, 2: num_used of them are in use)
   int m_rows;     // mode 0: activation rows
   int num_pairs, topk;  // modes 1, 2
   int mode;       // 0: dense rows; 1: gather rows pair / topk, write sorted rows; 2: sorted rows in, write pair rows

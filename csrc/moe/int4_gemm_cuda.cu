@@ -1,7 +1,8 @@
 // INT4 W4A16 GEMM on the tensor cores: see int4_gemm.h and ddtree.models.quant.int4_to_mma.
 //
-// A CTA computes one 16-column output tile (silu: the gate tile and its up tile) for one row
-// block of 8 * NT tokens; its kWarps warps split K in chunks of 64 columns and sum their partials
+// A work item is one 16-column output tile (silu: the gate tile and its up tile) of one row
+// block of 8 * NT tokens; persistent CTAs (as many as the GPU holds) stride over the items of
+// the blocks in use. A CTA's kWarps warps split K in chunks of 64 columns and sum their partials
 // through shared memory in warp order (deterministic). Per chunk a lane copies (cp.async, into
 // its own slot of its warp's ring of Stage::kDepth chunks, read back by no other lane) one
 // 16-byte word group per weight (four 16x16 A fragments of 8 nibbles each), the scale pairs of
@@ -10,7 +11,14 @@
 // lane's B fragments are 8 contiguous columns of one token row. A nibble pair becomes a bf16x2
 // (q, q') exactly: one LOP3 puts it under the bits of 128.0, one HSUB2 takes 136 off. Each 32-column
 // group's two MMAs accumulate from zero and are scaled in fp32 into the accumulator, so a weight
-// is q * s exactly (as float64 would have it), not rounded to bf16.
+// is q * s exactly (as float64 would have it), not rounded to bf16. Activations past k and of
+// sentinel rows are zero-filled by the copy itself, so the inner loop has no predicate.
+//
+// ncu on the H200 (one Kimi-K2 TP8 rank, 1 and 16 tokens): both GEMMs are bound by instruction
+// issue, not by DRAM (23-57% of it): ~11 instructions per 8 weights to dequantize, 0.45-0.7
+// warp instructions a cycle per scheduler. Hence the lean inner loop and, at decode, three
+// gate|up CTAs an SM. K split over CTAs was measured and lost at every size (its reduction costs
+// more than the shorter chains save), so there is none.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -88,6 +96,7 @@ __device__ __forceinline__ void group_mma(float (&acc)[NT][4], const uint4& w, i
 // Bytes a lane stages per chunk: ACC weight word groups (16 B) and scale pairs (8 B), NT x 2
 // activation vectors (16 B).
 constexpr int kWarps = 8;
+constexpr int kSiluDecodeCtas = 3;  // gate|up CTAs an SM holds with blocks of 8 (registers and stages)
 
 template <int NT, bool SILU>
 struct Stage {
@@ -95,9 +104,11 @@ struct Stage {
   static constexpr int kLaneBytes = kAcc * 24 + NT * 32;
   static constexpr int kWarpBytes = kLaneBytes * 32;
   // chunks in flight per warp, 2 to 8, from a CTA's stage budget: gate|up (K = hidden, many
-  // chunks a warp) ~100 KB, two CTAs an SM; down (K = intermediate, few chunks a warp) ~64 KB,
-  // three CTAs an SM
-  static constexpr int kBudget = SILU ? 100 * 1024 : 64 * 1024;
+  // chunks a warp) ~100 KB, two CTAs an SM (three at decode: more warps to issue from beat a
+  // deeper ring); down (K = intermediate, few chunks a warp) ~64 KB, three CTAs an SM
+  // CTAs an SM holds (registers: the launch bounds; shared memory: the budget)
+  static constexpr int kCtas = SILU ? (NT == 1 ? kSiluDecodeCtas : NT == 2 ? 2 : 1) : (NT == 4 ? 2 : 3);
+  static constexpr int kBudget = SILU ? 200 * 1024 / std::max(2, kCtas) : 64 * 1024;
   static constexpr int kDepth = std::min(8, std::max(2, kBudget / (kWarpBytes * kWarps)));
   static constexpr int kSmem = kDepth * kWarpBytes * kWarps;
 };
@@ -105,6 +116,12 @@ struct Stage {
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
                "l"(src));
+}
+
+// 16 bytes, or zeros where src_bytes is 0 (src is then not read)
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(src_bytes));
 }
 
 __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
@@ -117,18 +134,23 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
 
+// One work item: output tile `tile` of row block `blk`. Every thread of the CTA calls it; the
+// early returns are uniform over the CTA or come after its last barrier.
 template <int NT, bool SILU, int MODE>
-__global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const Int4GemmArgs a) {
+__device__ __forceinline__ void tile_item(const Int4GemmArgs& a, unsigned char* smem, const int tile,
+                                          const int blk, const int warp, const int lane) {
   using St = Stage<NT, SILU>;
   constexpr int BM = 8 * NT;
   constexpr int ACC = St::kAcc;
   constexpr int S = St::kDepth;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int tile = blockIdx.x, blk = blockIdx.y;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
+  // the block's expert and the lane's pair ids are loaded together (one round trip before the
+  // weights, whose address needs the expert)
   int expert = 0;
+  int ids[NT];
   if (MODE != 0) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) ids[j] = a.sorted_ids[blk * BM + 8 * j + g];
     expert = a.block_expert[blk];
     if (expert < 0) return;  // unused block
   }
@@ -141,10 +163,9 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const Int4GemmAr
     if (MODE == 0) {
       row = slot < a.m_rows ? slot : -1;
     } else if (MODE == 1) {
-      const int pair = a.sorted_ids[slot];
-      row = pair < a.num_pairs ? pair / a.topk : -1;
+      row = ids[j] < a.num_pairs ? ids[j] / a.topk : -1;
     } else {
-      row = a.sorted_ids[slot] < a.num_pairs ? slot : -1;  // sentinel rows: not read (as zeros)
+      row = ids[j] < a.num_pairs ? slot : -1;  // sentinel rows: not read (as zeros)
     }
     xrow[j] = row < 0 ? nullptr : static_cast<const __nv_bfloat16*>(a.x) + row * a.x_stride + 8 * t;
   }
@@ -153,32 +174,46 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const Int4GemmAr
   const uint4* wg = reinterpret_cast<const uint4*>(a.words) + wtile * tile_chunks * 32 + lane;
   const uint2* sg = static_cast<const uint2*>(a.scales) + wtile * tile_chunks * 8 + g;
   const int64_t up = static_cast<int64_t>(a.out_tiles) * tile_chunks;  // silu: up's tiles follow
-  const int per = (a.k_chunks + kWarps - 1) / kWarps;
-  const int c0 = warp * per, c1 = min(c0 + per, a.k_chunks);
+  const int per = (a.k_chunks + kWarps - 1) / kWarps;  // the warps' K chunks
+  const int c0 = min(warp * per, a.k_chunks), c1 = min(c0 + per, a.k_chunks);
 
   // this lane's stages (no other lane reads them: cp.async.wait_group alone orders them)
-  unsigned char* mine = smem + warp * S * St::kWarpBytes;
-  auto w_at = [&](int st, int m) { return reinterpret_cast<uint4*>(mine + st * St::kWarpBytes) + m * 32 + lane; };
+  unsigned char* mine = smem + warp * S * St::kWarpBytes + lane * 16;
+  auto w_at = [&](int st, int m) { return reinterpret_cast<uint4*>(mine + st * St::kWarpBytes + m * 512); };
   auto s_at = [&](int st, int m) {
-    return reinterpret_cast<uint2*>(mine + st * St::kWarpBytes + ACC * 512) + m * 32 + lane;
+    return reinterpret_cast<uint2*>(mine + st * St::kWarpBytes + ACC * 512 - lane * 8 + m * 256);
   };
   auto x_at = [&](int st, int j, int h) {
-    return reinterpret_cast<uint4*>(mine + st * St::kWarpBytes + ACC * 768) + (j * 2 + h) * 32 + lane;
+    return reinterpret_cast<uint4*>(mine + st * St::kWarpBytes + ACC * 768 + (j * 2 + h) * 512);
   };
-  auto x_ok = [&](int c, int j, int h) { return xrow[j] != nullptr && c * 64 + 32 * h + 8 * t < a.k; };
-  auto issue = [&](int c) {  // chunk c's loads into its stage, one commit group (empty past c1)
+  // the chunk's global sources, advanced a chunk per issue; activations past k or of sentinel
+  // rows are zero-filled (a 0-byte source), so the smem reads need no predicate
+  const uint4* wsrc = wg + static_cast<int64_t>(c0) * 32;
+  const uint2* ssrc = sg + static_cast<int64_t>(c0) * 8;
+  const __nv_bfloat16* xsrc[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) xsrc[j] = xrow[j] != nullptr ? xrow[j] + c0 * 64 : static_cast<const __nv_bfloat16*>(a.x);
+  const int col0 = c0 * 64 + 8 * t;  // the lane's first activation column of chunk c0 (h = 0)
+  int wst = 0;                       // the stage the next issue fills
+  auto issue = [&](int c) {          // chunk c's loads into stage wst, one commit group (empty past c1)
     if (c < c1) {
-      const int st = (c - c0) % S;
 #pragma unroll
       for (int m = 0; m < ACC; ++m) {
-        cp_async16(w_at(st, m), wg + (m * up + c) * 32);
-        cp_async8(s_at(st, m), sg + (m * up + c) * 8);
+        cp_async16(w_at(wst, m), wsrc + m * up * 32);
+        cp_async8(s_at(wst, m), ssrc + m * up * 8);
       }
+      const int col = col0 + (c - c0) * 64;
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          if (x_ok(c, j, h)) cp_async16(x_at(st, j, h), xrow[j] + c * 64 + 32 * h);
+          cp_async16_zfill(x_at(wst, j, h), xsrc[j] + 32 * h,
+                           xrow[j] != nullptr && col + 32 * h < a.k ? 16 : 0);
+      wsrc += 32;
+      ssrc += 8;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) xsrc[j] += xrow[j] != nullptr ? 64 : 0;
+      wst = wst + 1 == S ? 0 : wst + 1;
     }
     asm volatile("cp.async.commit_group;");
   };
@@ -191,22 +226,23 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const Int4GemmAr
 
 #pragma unroll
   for (int i = 0; i < S - 1; ++i) issue(c0 + i);
+  int rst = 0;  // the stage chunk c landed in
   for (int c = c0; c < c1; ++c) {
     cp_async_wait<S - 2>();  // chunk c has landed
-    const int st = (c - c0) % S;
     uint4 wv[ACC];
     uint2 sv[ACC];
     uint4 xv[NT][2];
 #pragma unroll
     for (int m = 0; m < ACC; ++m) {
-      wv[m] = *w_at(st, m);
-      sv[m] = *s_at(st, m);
+      wv[m] = *w_at(rst, m);
+      sv[m] = *s_at(rst, m);
     }
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) xv[j][h] = x_ok(c, j, h) ? *x_at(st, j, h) : make_uint4(0, 0, 0, 0);
+      for (int h = 0; h < 2; ++h) xv[j][h] = *x_at(rst, j, h);
     issue(c + S - 1);  // into the stage read one iteration ago
+    rst = rst + 1 == S ? 0 : rst + 1;
 #pragma unroll
     for (int m = 0; m < ACC; ++m)
 #pragma unroll
@@ -256,20 +292,42 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemm_kernel(const Int4GemmAr
     }
 }
 
+// Persistent CTAs (a grid of at most the resident CTAs) stride over the work items (tile, block)
+// of the blocks in use, their count read on the device: no CTA is launched for an unused block
+// (a decode step's grid was mostly those), and the CTAs' items differ by one at most.
+template <int NT, bool SILU, int MODE>
+__global__ void __launch_bounds__(kWarps * 32, Stage<NT, SILU>::kCtas)
+    int4_gemm_kernel(const Int4GemmArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int used = MODE == 0 ? a.blocks : min(*a.num_used, a.blocks);
+  const int items = used * a.out_tiles;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    __syncthreads();  // the previous item's partials (over the stages) have been read
+    tile_item<NT, SILU, MODE>(a, smem, item % a.out_tiles, item / a.out_tiles, warp, lane);
+  }
+}
+
 template <int NT, bool SILU, int MODE>
 void launch(const Int4GemmArgs& a, cudaStream_t stream) {
   constexpr int smem = Stage<NT, SILU>::kSmem;
-  static std::atomic<uint64_t> raised{0};  // devices whose shared-memory limit this kernel raised
+  auto kernel = int4_gemm_kernel<NT, SILU, MODE>;
+  // per device (up to 64): the shared-memory limit raised, and the resident CTAs of the GPU
+  static std::atomic<int> resident[64] = {};
   int device = 0;
   cudaGetDevice(&device);
-  const uint64_t bit = uint64_t{1} << (device & 63);
-  if (!(raised.load() & bit)) {
-    const cudaError_t err = cudaFuncSetAttribute(int4_gemm_kernel<NT, SILU, MODE>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) throw std::runtime_error(std::string("int4_gemm_cuda smem: ") + cudaGetErrorString(err));
-    raised.fetch_or(bit);
+  std::atomic<int>& slots = resident[device & 63];
+  if (slots.load() == 0) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    int per_sm = 0, sms = 0;
+    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, smem);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) throw std::runtime_error(std::string("int4_gemm_cuda setup: ") + cudaGetErrorString(err));
+    slots.store(std::max(1, per_sm * sms));
   }
-  int4_gemm_kernel<NT, SILU, MODE><<<dim3(a.out_tiles, a.blocks), kWarps * 32, smem, stream>>>(a);
+  const int64_t items = static_cast<int64_t>(a.blocks) * a.out_tiles;  // at most
+  const int grid = static_cast<int>(std::min<int64_t>(items, slots.load()));
+  kernel<<<grid, kWarps * 32, smem, stream>>>(a);
 }
 
 template <int NT>
@@ -286,6 +344,7 @@ void launch_nt(const Int4GemmArgs& a, cudaStream_t stream) {
 
 void int4_gemm_cuda(const Int4GemmArgs& a, void* stream_handle) {
   if (a.out_tiles <= 0 || a.blocks <= 0) return;
+  if (a.mode != 0 && a.num_used == nullptr) throw std::runtime_error("int4_gemm_cuda: modes 1, 2 need num_used");
   auto stream = static_cast<cudaStream_t>(stream_handle);
   switch (a.tokens_per_block) {
     case 8: launch_nt<1>(a, stream); break;

@@ -3,11 +3,15 @@
 The weights are in `quant.int4_to_mma`'s layout: rows in tiles of 16, columns in chunks of 64,
 each lane's mma.m16n8k16 A fragments of a chunk in one 16-byte group, so a warp streams a chunk of
 a tile as one coalesced 512-byte load and turns two nibbles into a bf16x2 with two instructions
-(LOP3 under 128.0's bits, HSUB2 of 136). A CTA of 8 warps computes one 16-column output tile for
-one block of 8, 16 or 32 tokens of one expert, the warps splitting K, each streaming its chunks
-(weights, scales and activations) through a private cp.async ring of shared memory, 2-8 chunks
-deep, and summing in a fixed order; a weight is ``q * s`` exactly (each 32-column group's MMAs
-scaled in fp32), as float64 has it.
+(LOP3 under 128.0's bits, HSUB2 of 136). A work item is one 16-column output tile of one block
+of 8, 16 or 32 tokens of one expert; persistent CTAs of 8 warps (as many as the GPU holds)
+stride over the items of the blocks in use, whose count the kernel reads on the device, so a
+decode step launches no CTA for the blocks it does not use. The warps split K, each streaming
+its chunks (weights, scales and activations, zero-filled past k and for sentinel rows) through a
+private cp.async ring of shared memory, 2-8 chunks deep, and sum in a fixed order; a weight is
+``q * s`` exactly (each 32-column group's MMAs scaled in fp32), as float64 has it. ncu on the
+H200 says both GEMMs are bound by instruction issue (about 11 instructions per 8 weights to
+dequantize), not by DRAM; a split of K over CTAs was measured and lost at every size.
 
 `fused_moe_int4` is `quant_gemm.fused_moe`'s INT4 step on this kernel: `quant_gemm.moe_align`
 sorts the pairs into blocks of ``tokens_per_block`` rows, GEMM 1 gathers each pair's token and
@@ -88,7 +92,7 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
 def _launch(x, words, scales, out, al, *, n_out, out_tiles, n_tiles, k, mode, silu, m_rows=0, topk=1):
     native.launch_cuda(native.load().int4_gemm_cuda, (
         x.data_ptr(), words.data_ptr(), scales.data_ptr(), out.data_ptr(),
-        al.sorted_ids.data_ptr(), al.block_expert.data_ptr(), x.stride(0), out.stride(0),
+        al.sorted_ids.data_ptr(), al.block_expert.data_ptr(), al.num_used.data_ptr(), x.stride(0), out.stride(0),
         n_out, out_tiles, n_tiles, k, words.shape[2], al.block_expert.numel(), m_rows, al.num_pairs, topk,
         mode, silu, al.block_m), x.device)
 
