@@ -97,10 +97,13 @@ __device__ __forceinline__ void group_mma(float (&acc)[NT][4], const uint4& w, i
 // activation vectors (16 B).
 constexpr int kWarps = 8;
 constexpr int kSiluDecodeCtas = 3;  // gate|up CTAs an SM holds with blocks of 8 (registers and stages)
+constexpr int kDecodeTiles = 2;     // output tiles of one down item with blocks of 8 (shared activations)
 
 template <int NT, bool SILU>
 struct Stage {
-  static constexpr int kAcc = SILU ? 2 : 1;
+  // weights an item streams: silu the gate and up tiles; otherwise kTiles adjacent output tiles
+  static constexpr int kTiles = SILU ? 1 : NT == 1 ? kDecodeTiles : 1;
+  static constexpr int kAcc = SILU ? 2 : kTiles;
   static constexpr int kLaneBytes = kAcc * 24 + NT * 32;
   static constexpr int kWarpBytes = kLaneBytes * 32;
   // chunks in flight per warp, 2 to 8, from a CTA's stage budget: gate|up (K = hidden, many
@@ -170,10 +173,13 @@ __device__ __forceinline__ void tile_item(const Int4GemmArgs& a, unsigned char* 
     xrow[j] = row < 0 ? nullptr : static_cast<const __nv_bfloat16*>(a.x) + row * a.x_stride + 8 * t;
   }
   const int64_t tile_chunks = static_cast<int64_t>(a.k_chunks);
-  const int64_t wtile = static_cast<int64_t>(expert) * a.n_tiles + tile;
+  constexpr int TILES = St::kTiles;
+  // the item's matrices m: silu the gate tile and its up tile (out_tiles on); otherwise output
+  // tiles TILES * tile + m, a last one past the weight reading the one before it (not written)
+  const int64_t wtile = static_cast<int64_t>(expert) * a.n_tiles + TILES * tile;
   const uint4* wg = reinterpret_cast<const uint4*>(a.words) + wtile * tile_chunks * 32 + lane;
   const uint2* sg = static_cast<const uint2*>(a.scales) + wtile * tile_chunks * 8 + g;
-  const int64_t up = static_cast<int64_t>(a.out_tiles) * tile_chunks;  // silu: up's tiles follow
+  const int64_t up = (SILU ? a.out_tiles : TILES * tile + 1 < a.n_tiles ? 1 : 0) * tile_chunks;
   const int per = (a.k_chunks + kWarps - 1) / kWarps;  // the warps' K chunks
   const int c0 = min(warp * per, a.k_chunks), c1 = min(c0 + per, a.k_chunks);
 
@@ -275,12 +281,14 @@ __device__ __forceinline__ void tile_item(const Int4GemmArgs& a, unsigned char* 
       }
   // C fragment: element i is weight row g (+8 for i >= 2), token slot 2t + (i & 1) of tile j
 #pragma unroll
+  for (int m = 0; m < TILES; ++m)
+#pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int n = tile * 16 + g + (i >= 2 ? 8 : 0);
+      const int n = (TILES * tile + m) * 16 + g + (i >= 2 ? 8 : 0);
       const int slot = blk * BM + 8 * j + 2 * t + (i & 1);
-      float v = acc[0][j][i];
+      float v = acc[m][j][i];
       if (SILU) v = v / (1.f + __expf(-v)) * acc[ACC - 1][j][i];
       if (n >= a.n_out) continue;
       if (MODE == 2) {
@@ -301,10 +309,12 @@ __global__ void __launch_bounds__(kWarps * 32, Stage<NT, SILU>::kCtas)
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int used = MODE == 0 ? a.blocks : min(*a.num_used, a.blocks);
-  const int items = used * a.out_tiles;
+  constexpr int TILES = Stage<NT, SILU>::kTiles;
+  const int item_tiles = (a.out_tiles + TILES - 1) / TILES;
+  const int items = used * item_tiles;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     __syncthreads();  // the previous item's partials (over the stages) have been read
-    tile_item<NT, SILU, MODE>(a, smem, item % a.out_tiles, item / a.out_tiles, warp, lane);
+    tile_item<NT, SILU, MODE>(a, smem, item % item_tiles, item / item_tiles, warp, lane);
   }
 }
 
@@ -325,7 +335,8 @@ void launch(const Int4GemmArgs& a, cudaStream_t stream) {
     if (err != cudaSuccess) throw std::runtime_error(std::string("int4_gemm_cuda setup: ") + cudaGetErrorString(err));
     slots.store(std::max(1, per_sm * sms));
   }
-  const int64_t items = static_cast<int64_t>(a.blocks) * a.out_tiles;  // at most
+  constexpr int tiles = Stage<NT, SILU>::kTiles;
+  const int64_t items = static_cast<int64_t>(a.blocks) * ((a.out_tiles + tiles - 1) / tiles);  // at most
   const int grid = static_cast<int>(std::min<int64_t>(items, slots.load()));
   kernel<<<grid, kWarps * 32, smem, stream>>>(a);
 }
