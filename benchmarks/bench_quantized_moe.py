@@ -159,12 +159,14 @@ class Experts:
     def bytes_per_expert(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in (*self.w13, *self.w2))
 
-    def call(self, x, weights, ids, first_expert, config=None):
+    def call(self, x, weights, ids, first_expert, config=None, block_tokens=None):
+        """One MoE step; ``config`` (Triton) or ``block_tokens`` (int4) override the heuristic."""
         if self.fmt == "bf16":
             return grouped_bf16(x, weights, ids, self.w13[0], self.w2[0], first_expert, self.num_local)
         if self.fmt == "int4":
             return int4_moe.fused_moe_int4(x, weights, ids, *self.w13, *self.w2, first_expert=first_expert,
-                                           num_local=self.num_local, intermediate=self.inter)
+                                           num_local=self.num_local, intermediate=self.inter,
+                                           block_tokens=block_tokens)
         fmt = "int4" if self.fmt == "int4-triton" else self.fmt
         return qg.fused_moe(x, weights, ids, fmt, *self.w13, *self.w2, first_expert=first_expert,
                             num_local=self.num_local, intermediate=self.inter, group_size=self.group, config=config)
@@ -255,9 +257,8 @@ def sweep_moe(report: Report, experts: dict, args, device) -> None:
             if fmt == "int4":  # the tensor-core kernel: its block sizes, each GEMM's kernel time
                 chosen = int4_moe.tokens_per_block(tokens, args.topk, args.local)
                 for bt in int4_moe.TOKENS_PER_BLOCK:
-                    fns = [lambda x=x, w=w, i=i, ex=ex, bt=bt: int4_moe.fused_moe_int4(
-                        x, w, i, *ex.w13, *ex.w2, first_expert=args.first_expert, num_local=ex.num_local,
-                        intermediate=ex.inter, block_tokens=bt) for x, (w, i) in zip(xs, steps)]
+                    fns = [lambda x=x, w=w, i=i, ex=ex, bt=bt: ex.call(x, w, i, args.first_expert, block_tokens=bt)
+                           for x, (w, i) in zip(xs, steps)]
                     step = graph_time_us(fns, args.replays)
                     gate_up = kernel_time_us(fns, lambda name: "int4_gemm_kernel" in name and "true" in name)
                     down = kernel_time_us(fns, lambda name: "int4_gemm_kernel" in name and "false" in name)

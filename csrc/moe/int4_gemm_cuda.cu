@@ -93,8 +93,6 @@ __device__ __forceinline__ void group_mma(float (&acc)[NT][4], const uint4& w, i
   }
 }
 
-// Bytes a lane stages per chunk: ACC weight word groups (16 B) and scale pairs (8 B), NT x 2
-// activation vectors (16 B).
 constexpr int kWarps = 8;
 constexpr int kSiluDecodeCtas = 3;  // gate|up CTAs an SM holds with blocks of 8 (registers and stages)
 constexpr int kDecodeTiles = 2;     // output tiles of one down item with blocks of 8 (shared activations)
@@ -103,17 +101,24 @@ template <int NT, bool SILU>
 struct Stage {
   // weights an item streams: silu the gate and up tiles; otherwise kTiles adjacent output tiles
   static constexpr int kTiles = SILU ? 1 : NT == 1 ? kDecodeTiles : 1;
+  static_assert(kTiles <= 2, "tile_item clamps the second output tile of an item only");
   static constexpr int kAcc = SILU ? 2 : kTiles;
+  // bytes a lane stages per chunk: kAcc weight word groups (16 B) and scale pairs (8 B), NT x 2
+  // activation vectors (16 B)
   static constexpr int kLaneBytes = kAcc * 24 + NT * 32;
   static constexpr int kWarpBytes = kLaneBytes * 32;
+  // CTAs an SM holds (registers: the launch bounds; shared memory: the budget)
+  static constexpr int kCtas = SILU ? (NT == 1 ? kSiluDecodeCtas : NT == 2 ? 2 : 1) : (NT == 4 ? 2 : 3);
   // chunks in flight per warp, 2 to 8, from a CTA's stage budget: gate|up (K = hidden, many
   // chunks a warp) ~100 KB, two CTAs an SM (three at decode: more warps to issue from beat a
   // deeper ring); down (K = intermediate, few chunks a warp) ~64 KB, three CTAs an SM
-  // CTAs an SM holds (registers: the launch bounds; shared memory: the budget)
-  static constexpr int kCtas = SILU ? (NT == 1 ? kSiluDecodeCtas : NT == 2 ? 2 : 1) : (NT == 4 ? 2 : 3);
   static constexpr int kBudget = SILU ? 200 * 1024 / std::max(2, kCtas) : 64 * 1024;
   static constexpr int kDepth = std::min(8, std::max(2, kBudget / (kWarpBytes * kWarps)));
   static constexpr int kSmem = kDepth * kWarpBytes * kWarps;
+  // an output's items per row block
+  __host__ __device__ static constexpr int items_per_block(int out_tiles) {
+    return (out_tiles + kTiles - 1) / kTiles;
+  }
 };
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -198,7 +203,8 @@ __device__ __forceinline__ void tile_item(const Int4GemmArgs& a, unsigned char* 
   const uint2* ssrc = sg + static_cast<int64_t>(c0) * 8;
   const __nv_bfloat16* xsrc[NT];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) xsrc[j] = xrow[j] != nullptr ? xrow[j] + c0 * 64 : static_cast<const __nv_bfloat16*>(a.x);
+  for (int j = 0; j < NT; ++j)
+    xsrc[j] = xrow[j] != nullptr ? xrow[j] + c0 * 64 : static_cast<const __nv_bfloat16*>(a.x);
   const int col0 = c0 * 64 + 8 * t;  // the lane's first activation column of chunk c0 (h = 0)
   int wst = 0;                       // the stage the next issue fills
   auto issue = [&](int c) {          // chunk c's loads into stage wst, one commit group (empty past c1)
@@ -259,13 +265,16 @@ __device__ __forceinline__ void tile_item(const Int4GemmArgs& a, unsigned char* 
   // the warps' partials (over the stages), summed in warp order by warp 0
   static_assert(kWarps * ACC * NT * 4 * 32 * 4 <= St::kSmem, "the partials fit the stages");
   float* part = reinterpret_cast<float*>(smem);  // [kWarps][ACC * NT * 4][32]
+  auto part_at = [&](int w, int m, int j, int i) -> float& {
+    return part[(w * ACC * NT * 4 + (m * NT + j) * 4 + i) * 32 + lane];
+  };
   __syncthreads();
 #pragma unroll
   for (int m = 0; m < ACC; ++m)
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) part[(warp * ACC * NT * 4 + (m * NT + j) * 4 + i) * 32 + lane] = acc[m][j][i];
+      for (int i = 0; i < 4; ++i) part_at(warp, m, j, i) = acc[m][j][i];
   __syncthreads();
   if (warp != 0) return;
 #pragma unroll
@@ -276,7 +285,7 @@ __device__ __forceinline__ void tile_item(const Int4GemmArgs& a, unsigned char* 
       for (int i = 0; i < 4; ++i) {
         float sum = 0.f;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) sum += part[(w * ACC * NT * 4 + (m * NT + j) * 4 + i) * 32 + lane];
+        for (int w = 0; w < kWarps; ++w) sum += part_at(w, m, j, i);
         acc[m][j][i] = sum;
       }
   // C fragment: element i is weight row g (+8 for i >= 2), token slot 2t + (i & 1) of tile j
@@ -309,8 +318,7 @@ __global__ void __launch_bounds__(kWarps * 32, Stage<NT, SILU>::kCtas)
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int used = MODE == 0 ? a.blocks : min(*a.num_used, a.blocks);
-  constexpr int TILES = Stage<NT, SILU>::kTiles;
-  const int item_tiles = (a.out_tiles + TILES - 1) / TILES;
+  const int item_tiles = Stage<NT, SILU>::items_per_block(a.out_tiles);
   const int items = used * item_tiles;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     __syncthreads();  // the previous item's partials (over the stages) have been read
@@ -335,8 +343,7 @@ void launch(const Int4GemmArgs& a, cudaStream_t stream) {
     if (err != cudaSuccess) throw std::runtime_error(std::string("int4_gemm_cuda setup: ") + cudaGetErrorString(err));
     slots.store(std::max(1, per_sm * sms));
   }
-  constexpr int tiles = Stage<NT, SILU>::kTiles;
-  const int64_t items = static_cast<int64_t>(a.blocks) * ((a.out_tiles + tiles - 1) / tiles);  // at most
+  const int64_t items = static_cast<int64_t>(a.blocks) * Stage<NT, SILU>::items_per_block(a.out_tiles);  // at most
   const int grid = static_cast<int>(std::min<int64_t>(items, slots.load()));
   kernel<<<grid, kWarps * 32, smem, stream>>>(a);
 }
